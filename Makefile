@@ -1,0 +1,29 @@
+# The README's two commands. Each builds .venv by itself on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[all,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m pitstop.cli demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check pitstop tests benchmarks examples
+	$(BIN)/mypy pitstop/core
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_save.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

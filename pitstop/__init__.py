@@ -1,0 +1,26 @@
+"""pitstop: checkpoints for training jobs — near-free saves, exact resumes.
+
+>>> import pitstop
+>>> with pitstop.CheckpointManager("runs/exp1", save_every_steps=500, keep_last=3) as mgr:
+...     start = mgr.restore(state)          # None on a fresh run
+...     ...
+"""
+
+from ._version import __version__
+from .core.engine import SaveHandle, SaveStats
+from .core.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
+                          CorruptCheckpointError, DirectoryLockedError, IncompatibleTargetError,
+                          StepExistsError, UnsupportedFormatError, UnsupportedStateError)
+from .core.manager import CheckpointManager
+from .core.policy import (AnyOf, AutoInterval, EveryNSteps, EverySeconds, KeepAll, KeepBest,
+                          KeepEverySteps, KeepLast, OnImprovement)
+
+__all__ = [
+    "CheckpointManager", "SaveHandle", "SaveStats",
+    "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError",
+    "UnsupportedFormatError", "DirectoryLockedError", "CheckpointNotFoundError",
+    "StepExistsError", "CheckpointWriteError", "UnsupportedStateError",
+    "EveryNSteps", "EverySeconds", "OnImprovement", "AutoInterval", "AnyOf",
+    "KeepLast", "KeepEverySteps", "KeepBest", "KeepAll",
+    "__version__",
+]

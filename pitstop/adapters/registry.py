@@ -1,0 +1,99 @@
+"""Maps a user object to the adapter that turns it into a state tree and back.
+
+An adapter is four methods (STYLE: one small protocol per seam)::
+
+    can_handle(obj) -> bool
+    capture(obj) -> tree          # arrays by reference (ArrayLeaf / np.ndarray), no copies
+    apply(obj, tree) -> None      # put a restored tree back into obj, in place
+    describe(obj) -> dict         # optional: {key: (shape, dtype)} to validate before reading
+
+Framework adapters are imported lazily, the first time an object of that framework shows
+up, so ``import pitstop`` imports no framework. Objects with ``state_dict()`` /
+``load_state_dict()`` need no adapter at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+
+class Adapter(Protocol):
+    def can_handle(self, obj: Any) -> bool: ...
+
+    def capture(self, obj: Any) -> Any: ...
+
+    def apply(self, obj: Any, tree: Any) -> None: ...
+
+
+#: top-level module of an object's class -> module that registers its adapters on import
+LAZY: dict[str, str] = {
+    "torch": "pitstop.adapters.torch",
+    "tensorflow": "pitstop.adapters.tf",
+    "keras": "pitstop.adapters.keras",
+    "jax": "pitstop.adapters.jax",
+    "jaxlib": "pitstop.adapters.jax",
+    "flax": "pitstop.adapters.jax",
+    "optax": "pitstop.adapters.jax",
+}
+INSTALL_HINT = {"torch": "torch", "tensorflow": "tf", "keras": "keras", "jax": "jax",
+                "jaxlib": "jax", "flax": "jax", "optax": "jax"}
+
+_adapters: list[Adapter] = []
+#: called with every new staging buffer (a uint8 numpy array), e.g. to page-lock it for
+#: asynchronous device-to-host copies; framework adapters append to it on import
+staging_hooks: list[Any] = []
+_loaded: set[str] = set()
+
+
+def register_adapter(adapter: Adapter, *, first: bool = True) -> None:
+    """Add an adapter; ``first`` puts it before those already registered."""
+    if first:
+        _adapters.insert(0, adapter)
+    else:
+        _adapters.append(adapter)
+
+
+def _load_for(obj: Any) -> None:
+    for cls in type(obj).__mro__:
+        root = (cls.__module__ or "").split(".")[0]
+        target = LAZY.get(root)
+        if target and target not in _loaded:
+            _loaded.add(target)
+            try:
+                importlib.import_module(target)
+            except ModuleNotFoundError as e:
+                if e.name and e.name.startswith("pitstop"):
+                    continue  # that adapter is not built yet; fall back to the generic ones
+                raise ImportError(
+                    f"pitstop needs its {root} support for {type(obj).__name__}: "
+                    f"pip install 'pitstop[{INSTALL_HINT[root]}]'") from e
+
+
+class StatefulAdapter:
+    """Any object with ``state_dict()`` and ``load_state_dict()`` (torch style)."""
+
+    def can_handle(self, obj: Any) -> bool:
+        return callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None))
+
+    def capture(self, obj: Any) -> Any:
+        return obj.state_dict()
+
+    def apply(self, obj: Any, tree: Any) -> None:
+        obj.load_state_dict(tree)
+
+
+_generic: list[Adapter] = [StatefulAdapter()]
+
+
+def resolve(obj: Any) -> Adapter | None:
+    """The adapter for ``obj``, or None when it is a plain value or array."""
+    _load_for(obj)
+    for a in _adapters:
+        if a.can_handle(obj):
+            return a
+    for a in _generic:
+        if a.can_handle(obj):
+            return a
+    return None

@@ -1,0 +1,1 @@
+"""Framework-neutral core: format, storage, snapshot engine, policies, manager."""

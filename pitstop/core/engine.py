@@ -1,0 +1,398 @@
+"""The asynchronous snapshot -> persist -> commit pipeline.
+
+The training thread pays only for :meth:`Engine.snapshot` (a copy into a reusable staging
+buffer). One background thread takes snapshots in order and persists each: hash every array
+(in parallel, releasing the GIL), seal the memory-tier copy, write the data files in large
+sequential chunks on ``writer_threads`` threads, fsync, write the manifest last, publish
+atomically, then run the ``on_commit`` callback (index, retention). Failures are logged at
+once and kept until the manager raises them on its next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import codecs
+from .dtypes import encode_dtype
+from .errors import CheckpointError, CheckpointWriteError
+from .hashing import new_hasher
+from .manifest import ArrayEntry, Manifest
+from .snapshot import Layout, StagingBuffer, StagingPool
+from .storage import Storage
+from .tree import FlatState, encode_value
+
+log = logging.getLogger("pitstop")
+
+HASH_CHUNK = 8 << 20
+WRITE_CHUNK = 32 << 20
+
+
+@dataclass
+class SaveStats:
+    """Figures of one save. Times are seconds; ``stall_s`` is what the caller waited."""
+
+    step: int
+    bytes: int = 0
+    arrays: int = 0
+    stall_s: float = 0.0
+    persist_s: float = 0.0
+    total_s: float = 0.0
+    committed: bool = False
+    skipped: str | None = None
+    path: str | None = None
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second of the background persist (hash, write, fsync, commit)."""
+        return self.bytes / self.persist_s if self.persist_s > 0 else 0.0
+
+
+class SaveHandle:
+    """What ``save`` returns: "snapshot taken" as soon as it returns, "committed" later."""
+
+    def __init__(self, step: int, stats: SaveStats) -> None:
+        self.step = step
+        self.stats = stats
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def snapshot_taken(self) -> bool:
+        return self.stats.skipped is None
+
+    @property
+    def committed(self) -> bool:
+        return self.stats.committed
+
+    def done(self) -> bool:
+        """True once the save has committed, failed or been skipped."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the commit; raises the save's error. Returns False on timeout."""
+        if not self._event.wait(timeout):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def result(self, timeout: float | None = None) -> SaveStats:
+        """Wait for the commit and return the save's figures."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} did not commit within {timeout} s")
+        return self.stats
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = ("failed" if self._error else "committed" if self.committed else
+                 f"skipped ({self.stats.skipped})" if self.stats.skipped else "persisting")
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+@dataclass
+class PersistJob:
+    step: int
+    buffer: StagingBuffer
+    values: dict[str, Any]
+    structure: Any
+    metrics: dict[str, Any]
+    handle: SaveHandle
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    #: hashes already known (a memory-tier snapshot being finished after a restart)
+    hashes: dict[str, str] | None = None
+    check_finite: bool = False
+    t_start: float = 0.0
+    #: False for a recovered memory-tier buffer that restore() still has to read
+    release_buffer: bool = True
+
+
+class Engine:
+    """Snapshots on the caller's thread, persists on a background thread."""
+
+    def __init__(self, storage: Storage, *, hash_algorithm: str, compression: str | None,
+                 writer_threads: int, pool: StagingPool, directory_id: str,
+                 on_commit: Callable[[Manifest, str], None],
+                 tier: Any = None, name_of: Callable[[int], str]) -> None:
+        self.storage = storage
+        self.hash_algorithm = hash_algorithm
+        self.compression = compression
+        self.writer_threads = max(1, writer_threads)
+        self.pool = pool
+        self.directory_id = directory_id
+        self.on_commit = on_commit
+        self.tier = tier
+        self.name_of = name_of
+        self.hooks: dict[str, Callable[..., Any]] = {}
+        self.error: CheckpointWriteError | None = None
+        self._queue: queue.Queue[PersistJob | None] = queue.Queue()
+        self._pending: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="pitstop-io")
+        self._thread = threading.Thread(target=self._run, name="pitstop-persist", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller's thread
+    def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
+        """Copy every array of ``flat`` into a staging buffer; None when none is free and
+        ``block`` is False. This is the whole stall of an asynchronous save."""
+        layout = Layout.of(flat.arrays)
+        buf = self.pool.acquire(layout, block)
+        if buf is None:
+            return None
+        try:
+            if self.tier is not None and buf.shm_path is not None:
+                self.tier.invalidate(buf)
+            fences = []
+            views = buf.views
+            for key, leaf in flat.arrays.items():
+                leaf.snapshot_into(views[key])
+                fence = leaf.snapshot_fence
+                if fence is not None and fence not in fences:
+                    fences.append(fence)
+            for fence in fences:
+                fence()
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        buf.step = step
+        return buf
+
+    def submit(self, job: PersistJob) -> None:
+        job.t_start = time.perf_counter()
+        with self._lock:
+            self._pending.append(job.handle)
+        self._queue.put(job)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            self._pending = [h for h in self._pending if not h.done()]
+            return len(self._pending)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every submitted save has committed or failed."""
+        with self._lock:
+            handles = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            h._event.wait(left)
+
+    def raise_pending(self) -> None:
+        """Raise (once) the first background failure not yet reported to the caller."""
+        with self._lock:
+            err, self.error = self.error, None
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        self.drain()
+        self._queue.put(None)
+        self._thread.join()
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ background
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            name = self.name_of(job.step)
+            try:
+                self._persist(job, name)
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+                err = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
+                    f"saving step {job.step} to {self.storage.path_of(name)} failed: "
+                    f"{type(e).__name__}: {e}. Committed checkpoints are intact.",
+                    step=job.step, path=self.storage.path_of(name))
+                if err is not e:
+                    err.__cause__ = e
+                if not isinstance(e, _Skip):
+                    log.error("pitstop: %s", err)
+                    with self._lock:
+                        if self.error is None:
+                            self.error = err
+                    job.handle._finish(err)
+                else:
+                    job.handle.stats.skipped = str(e)
+                    log.warning("pitstop: step %d not saved: %s", job.step, e)
+                    job.handle._finish(None)
+            finally:
+                if job.release_buffer:
+                    self.pool.release(job.buffer)
+
+    def _persist(self, job: PersistJob, name: str) -> None:
+        buf, layout = job.buffer, job.buffer.layout
+        hook = self.hooks.get("before_persist")
+        if hook is not None:
+            hook(job.step)
+        t0 = time.perf_counter()
+        # 1. hash (and check finiteness) in parallel; byte-balanced groups become the data files
+        groups = _groups(layout, self.writer_threads)
+        if job.hashes is None:
+            parts = list(self._executor.map(lambda g: self._hash_group(buf, g, job.check_finite),
+                                            groups))
+            hashes: dict[str, str] = {}
+            finite = True
+            for h, f in parts:
+                hashes.update(h)
+                finite &= f
+            if not finite:
+                raise _Skip("an array holds NaN or Inf (non-finite guard)")
+        else:
+            hashes = job.hashes
+        all_finite = True if job.check_finite else None
+        # 2. the memory-tier copy is now verifiable: seal it
+        if self.tier is not None and buf.shm_path is not None and job.hashes is None:
+            self.tier.seal(buf, job, hashes, self.hash_algorithm)
+        hook = self.hooks.get("before_write")
+        if hook is not None:
+            hook(job.step)
+        # 3. write data files in parallel, then the manifest last, then publish atomically
+        txn = self.storage.begin(name)
+        try:
+            results = list(self._executor.map(
+                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes), enumerate(groups)))
+            manifest = Manifest(
+                step=job.step, structure=job.structure, hash_algorithm=self.hash_algorithm,
+                metrics=job.metrics, directory_id=self.directory_id, created_unix=time.time(),
+                all_finite=all_finite, user_metadata=job.user_metadata,
+                writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid()},
+                values={k: encode_value(v, k) for k, v in job.values.items()},
+            )
+            for fname, length, entries in results:
+                if fname is not None:
+                    manifest.files[fname] = length
+                manifest.arrays.update(entries)
+            manifest.arrays = {k: manifest.arrays[k] for k in layout.keys}  # layout order
+            hook = self.hooks.get("before_commit")
+            if hook is not None:
+                hook(job.step)
+            txn.commit(manifest.to_bytes())
+        except BaseException:
+            txn.abort()
+            raise
+        t1 = time.perf_counter()
+        stats = job.handle.stats
+        stats.persist_s = t1 - t0
+        stats.total_s = t1 - job.t_start + stats.stall_s
+        stats.committed = True
+        stats.path = txn.location
+        if self.tier is not None and buf.shm_path is not None:
+            self.tier.mark_committed(buf)
+        # 4. index and retention: only ever after the commit
+        try:
+            self.on_commit(manifest, name)
+        finally:
+            job.handle._finish(None)
+        log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
+                 job.step, stats.bytes / 2**20, stats.stall_s, stats.persist_s,
+                 stats.throughput / 2**20)
+
+    def _hash_group(self, buf: StagingBuffer, group: list[int],
+                    check_finite: bool) -> tuple[dict[str, str], bool]:
+        layout = buf.layout
+        out: dict[str, str] = {}
+        finite = True
+        for i in group:
+            off, n = layout.offsets[i], layout.nbytes[i]
+            raw = buf.buf[off:off + n]
+            if self.compression not in (None, "none"):
+                continue  # hashed after encoding, while writing
+            out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
+            if check_finite and finite:
+                v = buf.views[layout.keys[i]]
+                if v.dtype.kind in "fc" and v.size and not np.isfinite(v).all():
+                    finite = False
+        return out, finite
+
+    def _write_group(self, txn: Any, buf: StagingBuffer, index: int, group: list[int],
+                     hashes: dict[str, str]) -> tuple[str | None, int, dict[str, ArrayEntry]]:
+        if not group:
+            return None, 0, {}
+        layout = buf.layout
+        fname = f"data-{index:03d}.bin"
+        entries: dict[str, ArrayEntry] = {}
+        w = txn.open_write(fname)
+        try:
+            if self.compression in (None, "none"):
+                # the group is one contiguous region of the staging buffer: write it as is
+                start = layout.offsets[group[0]]
+                end = layout.offsets[group[-1]] + layout.nbytes[group[-1]]
+                region = buf.buf[start:end]
+                for pos in range(0, end - start, WRITE_CHUNK):
+                    w.write(region[pos:pos + WRITE_CHUNK])
+                for i in group:
+                    k = layout.keys[i]
+                    entries[k] = ArrayEntry(
+                        dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
+                        file=fname, offset=layout.offsets[i] - start, length=layout.nbytes[i],
+                        hash=hashes[k])
+                length = end - start
+            else:
+                pos = 0
+                for i in group:
+                    k = layout.keys[i]
+                    off, n = layout.offsets[i], layout.nbytes[i]
+                    codec = codecs.codec_name(self.compression, layout.dtypes[i].itemsize)
+                    payload = codecs.encode(codec, buf.buf[off:off + n])
+                    digest = hash_chunks(self.hash_algorithm, payload)
+                    w.write(payload)
+                    size = memoryview(payload).nbytes
+                    entries[k] = ArrayEntry(
+                        dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
+                        file=fname, offset=pos, length=size, hash=digest, codec=codec)
+                    pos += size
+                length = pos
+        finally:
+            w.close()
+        return fname, length, entries
+
+
+class _Skip(CheckpointError):
+    """The save was deliberately not committed (non-finite guard)."""
+
+
+def hash_chunks(algorithm: str, data: Any) -> str:
+    """Hash a buffer in chunks so no single call holds the GIL for long."""
+    h = new_hasher(algorithm)
+    view = memoryview(data).cast("B")
+    for pos in range(0, len(view), HASH_CHUNK):
+        h.update(view[pos:pos + HASH_CHUNK])
+    return str(h.hexdigest())
+
+
+def _groups(layout: Layout, n: int) -> list[list[int]]:
+    """Split the arrays, in order, into at most ``n`` runs of about equal bytes."""
+    count = len(layout.keys)
+    if count == 0:
+        return []
+    total = sum(layout.nbytes) or 1
+    target = math.ceil(total / n)
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for i in range(count):
+        if acc >= target and len(groups) < n:
+            groups.append([])
+            acc = 0
+        groups[-1].append(i)
+        acc += layout.nbytes[i]
+    return groups
+
+
+def _version() -> str:
+    from .._version import __version__
+    return __version__

@@ -1,0 +1,263 @@
+"""Reading a committed checkpoint: streamed into live arrays, every byte hash-verified."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import codecs
+from .dtypes import decode_dtype
+from .errors import CorruptCheckpointError, IncompatibleTargetError
+from .hashing import new_hasher
+from .manifest import ArrayEntry, Manifest, parse
+from .storage import Storage
+from .storage.local import MANIFEST
+from .tree import FlatState, decode_value, join, split, unflatten
+
+READ_CHUNK = 16 << 20
+SMALL = 1 << 20
+
+
+@dataclass
+class RestoreReport:
+    """Keys that did not match, as ``load_state_dict`` reports them."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+
+
+class RestoredStep(int):
+    """The restored step (an int), carrying what did not match under ``strict=False``."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    mismatched_keys: list[str]
+
+    def __new__(cls, step: int, report: RestoreReport | None = None) -> RestoredStep:
+        obj = super().__new__(cls, step)
+        report = report or RestoreReport()
+        obj.missing_keys = report.missing_keys
+        obj.unexpected_keys = report.unexpected_keys
+        obj.mismatched_keys = report.mismatched_keys
+        return obj
+
+
+class CheckpointReader:
+    """One committed checkpoint ``name`` in ``storage``."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        self.storage = storage
+        self.name = name
+        self.where = storage.path_of(name)
+        try:
+            data = storage.read_bytes(name, MANIFEST)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.where}: manifest.json is missing",
+                                         checkpoint=self.where) from None
+        self.manifest: Manifest = parse(data, self.where)
+
+    # ------------------------------------------------------------------ checks
+    def check_files(self) -> None:
+        """Cheap structural check: every data file exists with the recorded length."""
+        for fname, length in self.manifest.files.items():
+            try:
+                actual = self.storage.size(self.name, fname)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{self.where}: data file {fname} is missing",
+                                             checkpoint=self.where, file=fname) from None
+            except PermissionError as e:
+                raise CorruptCheckpointError(f"{self.where}: {e}", checkpoint=self.where,
+                                             file=fname) from None
+            if actual != length:
+                raise CorruptCheckpointError(
+                    f"{self.where}: data file {fname} has {actual} bytes, the manifest recorded "
+                    f"{length} (truncated or overwritten)", checkpoint=self.where, file=fname)
+
+    def verify(self) -> None:
+        """Read every array and check its hash (``pitstop verify``)."""
+        self.check_files()
+        for key, entry in self.manifest.arrays.items():
+            self.read_array(key, entry)
+
+    # ------------------------------------------------------------------ arrays
+    def read_array(self, key: str, entry: ArrayEntry, out: np.ndarray | None = None) -> np.ndarray:
+        """Read one array (into ``out`` when given: C-contiguous, right shape and dtype)."""
+        dtype = decode_dtype(entry.dtype)
+        if out is None:
+            out = np.empty(entry.shape, dtype)
+        raw = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
+        h = new_hasher(self.manifest.hash_algorithm)
+        if entry.codec == "none":
+            for pos in range(0, entry.length, READ_CHUNK):
+                chunk = raw[pos:pos + READ_CHUNK]
+                got = self._read(entry, entry.offset + pos, chunk)
+                if got != len(chunk):
+                    raise self._corrupt(key, entry, "the data file ends early (truncated)")
+                h.update(chunk)
+        else:
+            payload = np.empty(entry.length, np.uint8)
+            if self._read(entry, entry.offset, payload) != entry.length:
+                raise self._corrupt(key, entry, "the data file ends early (truncated)")
+            h.update(payload)
+            if h.hexdigest() != entry.hash:
+                raise self._corrupt(key, entry, "hash mismatch (the bytes on disk changed)")
+            try:
+                codecs.decode_into(entry.codec, payload, raw)
+            except Exception as e:  # noqa: BLE001
+                raise self._corrupt(key, entry, f"cannot decode: {e}") from None
+            return out
+        if h.hexdigest() != entry.hash:
+            raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, found "
+                                f"{h.hexdigest()} (the bytes on disk changed)")
+        return out
+
+    def _read(self, entry: ArrayEntry, offset: int, out: np.ndarray) -> int:
+        try:
+            return self.storage.read_into(self.name, entry.file, offset, out)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.where}: data file {entry.file} is missing",
+                                         checkpoint=self.where, file=entry.file) from None
+        except PermissionError as e:
+            raise CorruptCheckpointError(f"{self.where}: {e}", checkpoint=self.where,
+                                         file=entry.file) from None
+
+    def _corrupt(self, key: str, entry: ArrayEntry, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.where}: array {key!r} in {entry.file} at offset {entry.offset}: {what}",
+            checkpoint=self.where, key=key, file=entry.file)
+
+    # ------------------------------------------------------------------ whole checkpoint
+    def load(self) -> Any:
+        """A fresh nested structure of numpy arrays and values."""
+        m = self.manifest
+        leaves: dict[str, Any] = {k: self.read_array(k, e) for k, e in m.arrays.items()}
+        leaves.update({k: decode_value(v) for k, v in m.values.items()})
+        if m.structure is None:
+            return leaves
+        return unflatten(m.structure, leaves)
+
+    def restore_into(self, flat: FlatState, strict: bool = True) -> RestoreReport:
+        """Stream arrays into the live leaves of ``flat`` and replace its values in place.
+
+        Everything is checked against the manifest before a byte is read; mismatches raise
+        :class:`IncompatibleTargetError` (``strict``) or are skipped and reported.
+        """
+        m = self.manifest
+        report = RestoreReport()
+        ck_keys = set(m.arrays) | set(m.values)
+        # a target value whose path prefixes checkpoint entries (e.g. an optimizer's empty
+        # state before its first step) is rebuilt whole from the checkpoint
+        rebuilt: dict[str, Any] = {}
+        for key in flat.values:
+            if key not in ck_keys and any(k.startswith(key + "/") for k in ck_keys):
+                rebuilt[key] = self._subtree(key)
+        covered = {k for k in ck_keys for p in rebuilt if k.startswith(p + "/")}
+        for key, leaf in flat.arrays.items():
+            e = m.arrays.get(key)
+            if e is None:
+                if key not in m.values:
+                    report.missing_keys.append(key)
+                else:
+                    report.mismatched_keys.append(f"{key}: array in the target, value in the checkpoint")
+                continue
+            dtype = decode_dtype(e.dtype)
+            if tuple(e.shape) != tuple(leaf.shape) or dtype != leaf.dtype:
+                report.mismatched_keys.append(
+                    f"{key}: checkpoint {dtype}{list(e.shape)}, target {leaf.dtype}{list(leaf.shape)}")
+        for key in flat.values:
+            if key not in m.values and key not in rebuilt and key not in m.arrays:
+                report.missing_keys.append(key)
+        report.unexpected_keys = sorted(
+            k for k in ck_keys - set(flat.arrays) - set(flat.values) - covered)
+        if strict and (report.missing_keys or report.unexpected_keys or report.mismatched_keys):
+            raise IncompatibleTargetError(
+                _describe(self.where, report), missing=report.missing_keys,
+                unexpected=report.unexpected_keys, mismatched=report.mismatched_keys)
+        bad = {k.split(":")[0] for k in report.mismatched_keys}
+        self.check_files()
+        # arrays, in file order so reads stay sequential
+        todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
+                if k in m.arrays and k not in bad]
+        todo.sort(key=lambda t: (t[2].file, t[2].offset))
+        for key, leaf, entry in todo:
+            view = leaf.host_view()
+            if view is not None:
+                self.read_array(key, entry, view)
+            else:
+                leaf.assign(self.read_array(key, entry))
+        for key, (container, k) in flat.scalars.items():
+            if key in m.arrays and key not in bad:
+                container[k] = flat.arrays[key].array[()]  # type: ignore[attr-defined]
+        for key, value in flat.values.items():
+            if key in rebuilt:
+                new = rebuilt[key]
+            elif key in m.values:
+                new = decode_value(m.values[key])
+            else:
+                continue
+            parent = flat.parents.get(key)
+            if parent is not None:
+                container, k = parent
+                container[k] = new
+        return report
+
+    def _subtree(self, prefix: str) -> Any:
+        """Rebuild the checkpoint's subtree at ``prefix`` (fresh arrays)."""
+        m = self.manifest
+        node = m.structure
+        for comp in split(prefix):
+            node = _child(node, comp)
+            if node is None:
+                break
+        leaves: dict[str, Any] = {}
+        for k, e in m.arrays.items():
+            if k.startswith(prefix + "/"):
+                leaves[k] = self.read_array(k, e)
+        for k, v in m.values.items():
+            if k.startswith(prefix + "/"):
+                leaves[k] = decode_value(v)
+        if node is None:
+            return leaves
+        return unflatten(node, leaves, prefix)
+
+
+def _child(node: Any, comp: str) -> Any:
+    """The structure node of one path component below ``node`` (None if absent)."""
+    while isinstance(node, dict) and "$o" in node:
+        node = node["$o"]
+    if not isinstance(node, dict):
+        return None
+    if "$d" in node:
+        for k, sub in node["$d"]:
+            if str(k) == comp:
+                return sub
+        return None
+    seq = node.get("$l", node.get("$t"))
+    if seq is not None and comp.isdigit() and int(comp) < len(seq):
+        return seq[int(comp)]
+    return None
+
+
+def _describe(where: str, r: RestoreReport) -> str:
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:20]) + (f" (+{len(keys) - 20} more)" if len(keys) > 20 else "")
+    parts = [f"cannot restore {where} into this state:"]
+    if r.missing_keys:
+        parts.append(f"missing in the checkpoint: {some(r.missing_keys)}")
+    if r.unexpected_keys:
+        parts.append(f"in the checkpoint but not in the target: {some(r.unexpected_keys)}")
+    if r.mismatched_keys:
+        parts.append(f"shape/dtype mismatch: {some(r.mismatched_keys)}")
+    parts.append("Pass strict=False to restore what matches.")
+    return " ".join(parts)
+
+
+def nbytes_of(entry: ArrayEntry) -> int:
+    return math.prod(entry.shape) * decode_dtype(entry.dtype).itemsize
+
+
+__all__ = ["CheckpointReader", "RestoreReport", "RestoredStep", "join"]

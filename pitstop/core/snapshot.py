@@ -1,0 +1,196 @@
+"""Staging buffers (one reusable host copy of the state) and the in-memory tier.
+
+A snapshot copies every array leaf into one contiguous staging buffer at aligned offsets.
+Buffers are allocated once per layout (keys, shapes, dtypes) and reused while it stays the
+same, so the steady state allocates nothing. With the memory tier on, the buffer is a file
+in ``/dev/shm``: the same copy then outlives a crashed process, and a restart can restore
+from it and finish persisting it (see :mod:`pitstop.core.memtier`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dtypes import encode_dtype
+from .tree import ArrayLeaf
+
+SMALL_ALIGN = 64
+LARGE_ALIGN = 4096
+LARGE = 1 << 20
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each array sits inside a staging buffer."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def of(cls, arrays: dict[str, ArrayLeaf]) -> Layout:
+        keys, shapes, dtypes, offsets, sizes = [], [], [], [], []
+        pos = 0
+        for key, leaf in arrays.items():
+            n = leaf.nbytes
+            pos = _align(pos, LARGE_ALIGN if n >= LARGE else SMALL_ALIGN)
+            keys.append(key)
+            shapes.append(tuple(leaf.shape))
+            dtypes.append(leaf.dtype)
+            offsets.append(pos)
+            sizes.append(n)
+            pos += n
+        return cls(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
+                   _align(pos, LARGE_ALIGN))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total": self.total, "arrays": [
+            [k, encode_dtype(d), list(s), o, n]
+            for k, s, d, o, n in zip(self.keys, self.shapes, self.dtypes, self.offsets, self.nbytes)]}
+
+
+class StagingBuffer:
+    """One host copy of the state: a byte buffer plus a typed view per array."""
+
+    def __init__(self, layout: Layout, shm_path: str | None = None, *,
+                 attach: bool = False) -> None:
+        self.layout = layout
+        self.shm_path = shm_path
+        self._mmap: mmap.mmap | None = None
+        size = max(layout.total, 1)
+        if shm_path is not None:
+            flags = os.O_RDWR | os.O_CLOEXEC | (0 if attach else os.O_CREAT | os.O_TRUNC)
+            fd = os.open(shm_path, flags, 0o600)
+            try:
+                if not attach:
+                    os.ftruncate(fd, size)
+                    # reserve tmpfs pages now: a full /dev/shm fails here with ENOSPC, not
+                    # with SIGBUS in the middle of a snapshot
+                    os.posix_fallocate(fd, 0, size)
+                self._mmap = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self.buf = np.frombuffer(self._mmap, np.uint8)
+        else:
+            self.buf = np.zeros(size, np.uint8)
+            self.buf[::4096] = 0  # fault every page in now, not during the first snapshot
+        self.views: dict[str, np.ndarray] = {}
+        for k, shape, dt, off, n in zip(layout.keys, layout.shapes, layout.dtypes,
+                                        layout.offsets, layout.nbytes):
+            self.views[k] = self.buf[off:off + n].view(dt).reshape(shape)
+        self.step: int | None = None
+        self.busy = False
+
+    @classmethod
+    def attach(cls, layout: Layout, shm_path: str) -> StagingBuffer:
+        """Map an existing memory-tier buffer as it is (recovery after a crash)."""
+        return cls(layout, shm_path, attach=True)
+
+    def bytes_of(self, key: str) -> np.ndarray:
+        i = self.layout.keys.index(key)
+        off = self.layout.offsets[i]
+        return self.buf[off:off + self.layout.nbytes[i]]
+
+    def pin(self, hooks: list[Any]) -> None:
+        for hook in hooks:
+            hook(self.buf)
+
+    def close(self, unlink: bool = True) -> None:
+        self.views.clear()
+        self.buf = np.empty(0, np.uint8)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view still references it; the mapping goes with the last reference
+            self._mmap = None
+        if unlink and self.shm_path is not None:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+
+
+class StagingPool:
+    """At most ``capacity`` staging buffers, reused while the layout stays the same.
+
+    ``acquire`` returns a free buffer (allocating on first use or after a layout change) or,
+    when all are busy, waits for one (``block=True``) or returns None.
+    """
+
+    def __init__(self, capacity: int, shm_prefix: str | None = None,
+                 pin_hooks: list[Any] | None = None) -> None:
+        self.capacity = max(1, capacity)
+        self.shm_prefix = shm_prefix
+        self.pin_hooks = pin_hooks or []
+        self.buffers: list[StagingBuffer] = []
+        self.cond = threading.Condition()
+
+    def acquire(self, layout: Layout, block: bool) -> StagingBuffer | None:
+        with self.cond:
+            while True:
+                free = [b for b in self.buffers if not b.busy]
+                same = [b for b in free if b.layout == layout]
+                if same:
+                    buf = same[0]
+                    break
+                if len(self.buffers) < self.capacity or free:
+                    if free:  # layout changed: drop an idle buffer of the old layout
+                        old = free[0]
+                        self.buffers.remove(old)
+                        old.close()
+                    buf = self._allocate(layout)
+                    self.buffers.append(buf)
+                    break
+                if not block:
+                    return None
+                self.cond.wait()
+            buf.busy = True
+            return buf
+
+    def _allocate(self, layout: Layout) -> StagingBuffer:
+        used = {b.shm_path for b in self.buffers}
+        path = None
+        if self.shm_prefix is not None:
+            for slot in range(self.capacity):
+                candidate = f"{self.shm_prefix}-{slot}.buf"
+                if candidate not in used:
+                    path = candidate
+                    break
+        buf = StagingBuffer(layout, path)
+        buf.pin(self.pin_hooks)
+        return buf
+
+    def adopt(self, buf: StagingBuffer) -> None:
+        """Take over a buffer recovered from the memory tier (it is busy until released)."""
+        with self.cond:
+            buf.busy = True
+            self.buffers.append(buf)
+
+    def release(self, buf: StagingBuffer) -> None:
+        with self.cond:
+            buf.busy = False
+            self.cond.notify_all()
+
+    def idle(self) -> bool:
+        with self.cond:
+            return not any(b.busy for b in self.buffers)
+
+    def close(self, unlink: bool = True) -> None:
+        with self.cond:
+            for b in self.buffers:
+                b.close(unlink=unlink)
+            self.buffers.clear()

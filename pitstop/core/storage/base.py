@@ -1,0 +1,92 @@
+"""The storage seam: a short interface with capability flags.
+
+Call order during a save (the engine guarantees it):
+
+1. ``begin(name)`` returns a :class:`Transaction` for one checkpoint directory ``name``.
+2. ``txn.open_write(relpath)`` several times, possibly from several threads; each returned
+   writer receives ``write(buffer)`` calls and one ``close()`` (which makes the bytes durable
+   when ``durable`` is set).
+3. ``txn.commit(manifest_bytes)`` publishes the checkpoint atomically: after it returns,
+   readers see a complete checkpoint, before it they see nothing. ``txn.abort()`` instead
+   removes everything the transaction wrote.
+
+Reads go through ``read_into(name, relpath, offset, out)``, ``read_bytes`` and ``size``.
+``list_checkpoints()`` names committed checkpoints only. ``delete(name)`` removes one
+committed checkpoint. ``cleanup_incomplete()`` removes what interrupted transactions left.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class Writer(ABC):
+    @abstractmethod
+    def write(self, data: Any) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Transaction(ABC):
+    name: str
+    location: str
+
+    @abstractmethod
+    def open_write(self, relpath: str) -> Writer: ...
+
+    @abstractmethod
+    def commit(self, manifest: bytes) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class Storage(ABC):
+    """Where checkpoints live. Implementations: :class:`LocalStorage` (default)."""
+
+    #: commit is an atomic rename (POSIX) rather than a commit marker written last.
+    atomic_rename: bool = False
+    #: ``Writer.close`` makes data durable (fsync).
+    durable: bool = False
+    #: a process-exclusive lock can be taken on the location.
+    supports_locking: bool = False
+
+    location: str
+
+    @abstractmethod
+    def begin(self, name: str) -> Transaction: ...
+
+    @abstractmethod
+    def list_checkpoints(self) -> list[str]: ...
+
+    @abstractmethod
+    def read_bytes(self, name: str, relpath: str) -> bytes: ...
+
+    @abstractmethod
+    def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
+        """Fill the writable buffer ``out`` from ``offset``; returns the number of bytes read."""
+
+    @abstractmethod
+    def size(self, name: str, relpath: str) -> int: ...
+
+    @abstractmethod
+    def delete(self, name: str) -> None: ...
+
+    @abstractmethod
+    def cleanup_incomplete(self) -> list[str]: ...
+
+    @abstractmethod
+    def read_meta(self, relpath: str) -> bytes | None:
+        """Read a small directory-level file (index, identity); None when absent."""
+
+    @abstractmethod
+    def write_meta(self, relpath: str, data: bytes) -> None:
+        """Atomically replace a small directory-level file."""
+
+    def lock(self) -> Any:
+        raise NotImplementedError("this storage cannot be locked")
+
+    def path_of(self, name: str, relpath: str = "") -> str:
+        return f"{self.location}/{name}/{relpath}".rstrip("/")

@@ -1,0 +1,244 @@
+"""Local POSIX storage: temporary directory, fsync every file, manifest last, atomic rename."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import DirectoryLockedError
+from .base import Storage, Transaction, Writer
+
+TMP_PREFIX = ".tmp-"
+META_DIR = ".pitstop"
+MANIFEST = "manifest.json"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _FileWriter(Writer):
+    __slots__ = ("fd", "durable")
+
+    def __init__(self, path: str, durable: bool) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.durable = durable
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def close(self) -> None:
+        try:
+            if self.durable:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+class _LocalTransaction(Transaction):
+    def __init__(self, storage: LocalStorage, name: str) -> None:
+        self.storage = storage
+        self.name = name
+        self.tmp = os.path.join(storage.location, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(self.tmp)
+        self.location = os.path.join(storage.location, name)
+
+    def open_write(self, relpath: str) -> Writer:
+        return _FileWriter(os.path.join(self.tmp, relpath), self.storage.durable)
+
+    def commit(self, manifest: bytes) -> None:
+        w = _FileWriter(os.path.join(self.tmp, MANIFEST), self.storage.durable)
+        try:
+            w.write(manifest)
+        finally:
+            w.close()
+        if self.storage.durable:
+            fsync_dir(self.tmp)
+        # rename() refuses a non-empty target, so a committed checkpoint is never replaced.
+        os.rename(self.tmp, self.location)
+        if self.storage.durable:
+            fsync_dir(self.storage.location)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class LocalStorage(Storage):
+    atomic_rename = True
+    supports_locking = True
+
+    def __init__(self, location: str, *, durable: bool = True, create: bool = True) -> None:
+        self.location = os.path.abspath(os.fspath(location))
+        self.durable = durable
+        if create:
+            os.makedirs(os.path.join(self.location, META_DIR), exist_ok=True)
+
+    # ------------------------------------------------------------------ writes
+    def begin(self, name: str) -> Transaction:
+        return _LocalTransaction(self, name)
+
+    def delete(self, name: str) -> None:
+        path = os.path.join(self.location, name)
+        # Rename first so a crash mid-delete leaves a leftover that cleanup removes, never a
+        # half-deleted directory that looks committed.
+        trash = os.path.join(self.location, f"{TMP_PREFIX}deleting-{name}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def delete_if_unread(self, name: str) -> bool:
+        """Delete ``name`` unless a reader (any process) holds its read lease."""
+        path = os.path.join(self.location, name, MANIFEST)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.delete(name)
+            return True
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False
+            self.delete(name)
+            return True
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def read_lease(self, name: str) -> Iterator[None]:
+        """Hold a shared lock on a checkpoint while reading it, so retention skips it."""
+        try:
+            fd = os.open(os.path.join(self.location, name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def quarantine(self, name: str) -> str:
+        """Move a corrupt checkpoint aside (kept for inspection, no longer listed)."""
+        new = f"{name}.corrupt-{int(time.time())}-{uuid.uuid4().hex[:4]}"
+        os.rename(os.path.join(self.location, name), os.path.join(self.location, new))
+        if self.durable:
+            fsync_dir(self.location)
+        return new
+
+    def cleanup_incomplete(self) -> list[str]:
+        removed = []
+        for entry in os.listdir(self.location):
+            if entry.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(self.location, entry), ignore_errors=True)
+                removed.append(entry)
+        return removed
+
+    def write_meta(self, relpath: str, data: bytes) -> None:
+        path = os.path.join(self.location, META_DIR, relpath)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self.durable:
+            fsync_dir(os.path.dirname(path))
+
+    # ------------------------------------------------------------------ reads
+    def list_checkpoints(self) -> list[str]:
+        try:
+            entries = os.listdir(self.location)
+        except FileNotFoundError:
+            return []
+        return [e for e in entries
+                if not e.startswith(".") and os.path.isfile(os.path.join(self.location, e, MANIFEST))]
+
+    def _safe(self, name: str, relpath: str) -> str:
+        base = os.path.realpath(os.path.join(self.location, name))
+        path = os.path.realpath(os.path.join(base, relpath))
+        if os.path.commonpath([base, path]) != base or path == base:
+            raise PermissionError(f"path {relpath!r} points outside checkpoint {name!r}")
+        return path
+
+    def read_bytes(self, name: str, relpath: str) -> bytes:
+        with open(self._safe(name, relpath), "rb") as f:
+            return f.read()
+
+    def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
+        view = memoryview(out).cast("B")
+        fd = os.open(self._safe(name, relpath), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            total = 0
+            while total < len(view):
+                n = os.preadv(fd, [view[total:]], offset + total)
+                if n == 0:
+                    break
+                total += n
+            return total
+        finally:
+            os.close(fd)
+
+    def open_reader(self, name: str, relpath: str) -> int:
+        return os.open(self._safe(name, relpath), os.O_RDONLY | os.O_CLOEXEC)
+
+    def size(self, name: str, relpath: str) -> int:
+        return os.path.getsize(self._safe(name, relpath))
+
+    def read_meta(self, relpath: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.location, META_DIR, relpath), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    # ------------------------------------------------------------------ lock
+    def lock(self) -> Any:
+        """Take the directory's writer lock (flock: released by the kernel if the holder dies)."""
+        path = os.path.join(self.location, META_DIR, "lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = ""
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise DirectoryLockedError(
+                    f"checkpoint directory {self.location} is in use by another writer "
+                    f"({holder or 'unknown holder'}). Use one CheckpointManager per directory, "
+                    "or open it with read_only=True to only restore."
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        return _Lock(fd)
+
+
+class _Lock:
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
