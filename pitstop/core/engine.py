@@ -48,6 +48,10 @@ class SaveStats:
     stall_s: float = 0.0
     persist_s: float = 0.0
     total_s: float = 0.0
+    #: parts of persist_s: hashing, writing data files (with fsync), manifest + publish
+    hash_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
     committed: bool = False
     skipped: str | None = None
     path: str | None = None
@@ -254,6 +258,7 @@ class Engine:
                 raise _Skip("an array holds NaN or Inf (non-finite guard)")
         else:
             hashes = job.hashes
+        t_hashed = time.perf_counter()
         all_finite = True if job.check_finite else None
         # 2. the memory-tier copy is now verifiable: seal it
         if self.tier is not None and buf.shm_path is not None and job.hashes is None:
@@ -264,8 +269,10 @@ class Engine:
         # 3. write data files in parallel, then the manifest last, then publish atomically
         txn = self.storage.begin(name)
         try:
+            t_write = time.perf_counter()
             results = list(self._executor.map(
                 lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes), enumerate(groups)))
+            t_written = time.perf_counter()
             manifest = Manifest(
                 step=job.step, structure=job.structure, hash_algorithm=self.hash_algorithm,
                 metrics=job.metrics, directory_id=self.directory_id, created_unix=time.time(),
@@ -288,6 +295,9 @@ class Engine:
         t1 = time.perf_counter()
         stats = job.handle.stats
         stats.persist_s = t1 - t0
+        stats.hash_s = t_hashed - t0
+        stats.write_s = t_written - t_write
+        stats.commit_s = t1 - t_written
         stats.total_s = t1 - job.t_start + stats.stall_s
         stats.committed = True
         stats.path = txn.location

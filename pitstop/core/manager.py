@@ -648,7 +648,9 @@ class CheckpointManager:
         doc = {"directory_id": self.directory_id, "checkpoints": {
             str(s): {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
                      "protected": i.protected} for s, i in sorted(self._index.items())}}
-        self.storage.write_meta("index.json", json.dumps(doc, allow_nan=True).encode())
+        # the index is derived from the manifests (rebuilt when stale), so it costs no fsync
+        self.storage.write_meta("index.json", json.dumps(doc, allow_nan=True).encode(),
+                                durable=False)
 
     def _best_so_far(self) -> float | None:
         vals = [i.metrics.get(self.best_metric) for i in self._index.values()]

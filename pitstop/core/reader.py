@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +51,10 @@ class RestoredStep(int):
 class CheckpointReader:
     """One committed checkpoint ``name`` in ``storage``."""
 
-    def __init__(self, storage: Storage, name: str) -> None:
+    def __init__(self, storage: Storage, name: str, *, threads: int | None = None) -> None:
         self.storage = storage
         self.name = name
+        self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
         self.where = storage.path_of(name)
         try:
             data = storage.read_bytes(name, MANIFEST)
@@ -134,7 +137,13 @@ class CheckpointReader:
     def load(self) -> Any:
         """A fresh nested structure of numpy arrays and values."""
         m = self.manifest
-        leaves: dict[str, Any] = {k: self.read_array(k, e) for k, e in m.arrays.items()}
+        leaves: dict[str, Any] = {}
+
+        def load_one(item: tuple[str, ArrayEntry]) -> None:
+            leaves[item[0]] = self.read_array(item[0], item[1])
+
+        self._per_file(sorted(m.arrays.items(), key=lambda kv: (kv[1].file, kv[1].offset)),
+                       load_one)
         leaves.update({k: decode_value(v) for k, v in m.values.items()})
         if m.structure is None:
             return leaves
@@ -183,12 +192,16 @@ class CheckpointReader:
         todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
                 if k in m.arrays and k not in bad]
         todo.sort(key=lambda t: (t[2].file, t[2].offset))
-        for key, leaf, entry in todo:
+
+        def restore_one(item: tuple[str, Any, ArrayEntry]) -> None:
+            key, leaf, entry = item
             view = leaf.host_view()
             if view is not None:
                 self.read_array(key, entry, view)
             else:
                 leaf.assign(self.read_array(key, entry))
+
+        self._per_file(todo, restore_one)
         for key, (container, k) in flat.scalars.items():
             if key in m.arrays and key not in bad:
                 container[k] = flat.arrays[key].array[()]  # type: ignore[attr-defined]
@@ -204,6 +217,22 @@ class CheckpointReader:
                 container, k = parent
                 container[k] = new
         return report
+
+    def _per_file(self, items: list[Any], fn: Any) -> None:
+        """Run ``fn`` over items (sorted by file, then offset), one thread per data file, so
+        each file is read sequentially while reading and hash checks overlap across files."""
+        by_file: dict[str, list[Any]] = {}
+        for item in items:
+            by_file.setdefault(item[-1].file, []).append(item)
+        runs = list(by_file.values())
+        if len(runs) <= 1 or self.threads <= 1:
+            for item in items:
+                fn(item)
+            return
+        with ThreadPoolExecutor(min(self.threads, len(runs)),
+                                thread_name_prefix="pitstop-read") as ex:
+            for _ in ex.map(lambda run: [fn(i) for i in run], runs):
+                pass
 
     def _subtree(self, prefix: str) -> Any:
         """Rebuild the checkpoint's subtree at ``prefix`` (fresh arrays)."""

@@ -82,8 +82,9 @@ class Storage(ABC):
         """Read a small directory-level file (index, identity); None when absent."""
 
     @abstractmethod
-    def write_meta(self, relpath: str, data: bytes) -> None:
-        """Atomically replace a small directory-level file."""
+    def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
+        """Atomically replace a small directory-level file (fsynced unless ``durable`` is
+        False: for derived data that can be rebuilt from the checkpoints themselves)."""
 
     def lock(self) -> Any:
         raise NotImplementedError("this storage cannot be locked")

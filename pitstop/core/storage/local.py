@@ -149,16 +149,16 @@ class LocalStorage(Storage):
                 removed.append(entry)
         return removed
 
-    def write_meta(self, relpath: str, data: bytes) -> None:
+    def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
         path = os.path.join(self.location, META_DIR, relpath)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         with open(tmp, "wb") as f:
             f.write(data)
-            if self.durable:
+            if self.durable and durable:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-        if self.durable:
+        if self.durable and durable:
             fsync_dir(os.path.dirname(path))
 
     # ------------------------------------------------------------------ reads

@@ -1,0 +1,306 @@
+"""Save, commit and restore against the physical floors of the same run.
+
+For each state size (fp32 "weights + Adam m + v" split over several arrays) this measures,
+in one process and one run:
+
+* floors: memcpy into preallocated buffers; one file written from memory with fsync;
+  a warm read-back of that file into preallocated memory;
+* pitstop: the training-thread stall of ``save``; training time lost per save (stall plus
+  the slowdown of a numpy training loop's steps until the commit); save-to-durable-commit;
+  ``restore`` into live arrays (hashes verified); extra memory while saving and restoring;
+* what a background persist costs the training thread: the speed of a numpy loop and of a
+  pure-Python loop while a persist runs (threads, as pitstop does it), and while the same
+  bytes are hashed and written by a separate process reading the shared-memory snapshot.
+
+Every figure is reported as a ratio to its floor. Run: ``python benchmarks/bench_save.py
+--sizes 64M,1G`` (``make bench``). Never part of the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+import pitstop
+from pitstop.core.engine import hash_chunks
+
+ARRAYS = 24
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def make_state(nbytes: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    per = nbytes // 4 // ARRAYS
+    arrays = {f"p{i:02d}": rng.standard_normal(per, dtype=np.float32) for i in range(ARRAYS)}
+    return {"params": arrays, "step": 0}
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples RSS every millisecond on a thread; ``peak`` is the largest seen."""
+
+    def __init__(self) -> None:
+        self.peak = rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakRSS:
+        self._t.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss())
+
+
+def floors(state: dict, workdir: str, reps: int) -> dict:
+    arrays = list(state["params"].values())
+    dst = [np.empty_like(a) for a in arrays]
+    for d, a in zip(dst, arrays):
+        np.copyto(d, a)  # fault in
+    memcpy = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for d, a in zip(dst, arrays):
+            np.copyto(d, a)
+        memcpy.append(time.perf_counter() - t)
+    write, read = [], []
+    path = os.path.join(workdir, "floor.bin")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for a in arrays:
+            mv = memoryview(a).cast("B")
+            while mv:
+                mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+        os.close(fd)
+        write.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        pos = 0
+        for d in dst:
+            mv = memoryview(d).cast("B")
+            pos += os.preadv(fd, [mv], pos)
+        os.close(fd)
+        read.append(time.perf_counter() - t)
+        os.unlink(path)
+    return {"memcpy": min(memcpy), "write_fsync": statistics.median(write),
+            "read_warm": min(read)}
+
+
+def train_step(w: np.ndarray, g: np.ndarray) -> None:
+    """A CPU 'training step': a few memory-bound numpy passes over a fixed working set."""
+    np.multiply(g, 0.999, out=g)
+    np.add(w, g, out=w)
+    np.multiply(w, 1.0001, out=w)
+
+
+def pitstop_figures(state: dict, workdir: str, reps: int, memory_tier: bool) -> dict:
+    d = os.path.join(workdir, "ckpt")
+    shutil.rmtree(d, ignore_errors=True)
+    nbytes = sum(a.nbytes for a in state["params"].values())
+    w = np.ones(4 << 20, np.float32)
+    g = np.ones_like(w)
+    out: dict = {}
+    base_rss = rss()
+    with pitstop.CheckpointManager(d, memory_tier=memory_tier, save_on_signals=()) as mgr:
+        with PeakRSS() as peak:
+            mgr.save(0, state).wait()  # allocates the staging buffer once
+        out["extra_mem_first_save"] = (peak.peak - base_rss) / nbytes
+        # baseline step time of the 'training' loop
+        for _ in range(20):
+            train_step(w, g)
+        t = time.perf_counter()
+        n0 = 50
+        for _ in range(n0):
+            train_step(w, g)
+        step_s = (time.perf_counter() - t) / n0
+        stalls, commits, lost = [], [], []
+        for r in range(reps):
+            step = r + 1
+            t0 = time.perf_counter()
+            h = mgr.save(step, state)
+            stall = time.perf_counter() - t0
+            steps = 0
+            while not h.done():
+                train_step(w, g)
+                steps += 1
+            t1 = time.perf_counter()
+            h.wait()
+            commits.append(t1 - t0)
+            stalls.append(stall)
+            lost.append(max(0.0, (t1 - t0) - steps * step_s))
+        out["stall"] = statistics.median(stalls)
+        out["save_to_commit"] = statistics.median(commits)
+        out["lost_per_save"] = statistics.median(lost)
+        out["step_s"] = step_s
+    # restore into live arrays (warm cache), with the memory it costs
+    target = {"params": {k: np.empty_like(a) for k, a in state["params"].items()}, "step": 0}
+    for a in target["params"].values():
+        a.fill(0)
+    times = []
+    with pitstop.CheckpointManager(d, read_only=True) as mgr:
+        mgr.restore(target)
+        base = rss()
+        with PeakRSS() as peak:
+            for _ in range(reps):
+                t = time.perf_counter()
+                mgr.restore(target)
+                times.append(time.perf_counter() - t)
+        out["extra_mem_restore"] = (peak.peak - base) / nbytes
+    out["restore"] = min(times)
+    for k in state["params"]:
+        assert np.array_equal(target["params"][k], state["params"][k])
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def loop_speed(fn, seconds: float, stop: threading.Event | None = None) -> float:
+    n = 0
+    t = time.perf_counter()
+    end = t + seconds
+    while time.perf_counter() < end and not (stop is not None and stop.is_set()):
+        fn()
+        n += 1
+    return n / (time.perf_counter() - t)
+
+
+def py_step() -> None:
+    s = 0
+    for i in range(2000):
+        s += i * i
+
+
+def np_step(a: np.ndarray = np.ones((192, 192), np.float32)) -> None:
+    a @ a
+
+
+_PROC_WRITER = r"""
+import mmap, os, sys, xxhash
+src, dst = sys.argv[1], sys.argv[2]
+fd = os.open(src, os.O_RDONLY); size = os.fstat(fd).st_size
+mm = mmap.mmap(fd, size, prot=mmap.PROT_READ); mv = memoryview(mm)
+h = xxhash.xxh3_128()
+for p in range(0, size, 8 << 20): h.update(mv[p:p + (8 << 20)])
+out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+for p in range(0, size, 32 << 20):
+    b = mv[p:p + (32 << 20)]
+    while b: b = b[os.write(out, b):]
+os.fsync(out); os.close(out)
+"""
+
+
+def contention(state: dict, workdir: str) -> dict:
+    """Loop speed while a persist runs: pitstop's threads vs a separate writer process."""
+    res: dict = {}
+    for name, fn in (("numpy_loop", np_step), ("python_loop", py_step)):
+        idle = loop_speed(fn, 1.0)
+        d = os.path.join(workdir, "c")
+        shutil.rmtree(d, ignore_errors=True)
+        speeds = []
+        with pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=()) as mgr:
+            mgr.save(0, state).wait()
+            for step in range(1, 3):
+                h = mgr.save(step, state)
+                done = threading.Event()
+                threading.Thread(target=lambda: (h.wait(), done.set()), daemon=True).start()
+                speeds.append(loop_speed(fn, 30.0, done))
+        res[f"{name}_threads"] = statistics.median(speeds) / idle
+        # the alternative design: a persister process reading the /dev/shm snapshot
+        shm = "/dev/shm/pitstop-bench.buf"
+        with open(shm, "wb") as f:
+            for a in state["params"].values():
+                f.write(memoryview(a).cast("B"))
+        speeds = []
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", _PROC_WRITER, shm,
+                                  os.path.join(workdir, "proc.bin")])
+            done = threading.Event()
+            threading.Thread(target=lambda: (p.wait(), done.set()), daemon=True).start()
+            speeds.append(loop_speed(fn, 30.0, done))
+        os.unlink(shm)
+        res[f"{name}_process"] = statistics.median(speeds) / idle
+        shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64M,1G")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
+    ap.add_argument("--memory-tier", action="store_true", help="stage in /dev/shm")
+    ap.add_argument("--no-contention", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    workdir = args.dir or tempfile.mkdtemp(prefix="pitstop-bench-")
+    os.makedirs(workdir, exist_ok=True)
+    rows = []
+    for text in args.sizes.split(","):
+        n = parse_size(text)
+        state = make_state(n)
+        f = floors(state, workdir, args.reps)
+        p = pitstop_figures(state, workdir, args.reps, args.memory_tier)
+        c = {} if args.no_contention else contention(state, workdir)
+        row = {"size": text, "bytes": n, **{f"floor_{k}": v for k, v in f.items()}, **p, **c,
+               "stall/memcpy": p["stall"] / f["memcpy"],
+               "lost/memcpy": p["lost_per_save"] / f["memcpy"],
+               "commit/write": p["save_to_commit"] / f["write_fsync"],
+               "restore/read": p["restore"] / f["read_warm"]}
+        rows.append(row)
+        del state
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        target = {"stall/memcpy": 1.3, "lost/memcpy": 1.5, "commit/write": 1.1,
+                  "restore/read": 1.3, "extra_mem_first_save": 1.05, "extra_mem_restore": 0.25,
+                  "numpy_loop_threads": 0.60, "python_loop_threads": 0.95}
+        for row in rows:
+            print(f"\n== {row['size']} ({row['bytes'] / 2**20:.0f} MiB); floors: memcpy "
+                  f"{row['floor_memcpy']:.3f} s, write+fsync {row['floor_write_fsync']:.3f} s, "
+                  f"warm read {row['floor_read_warm']:.3f} s")
+            print(f"   stall {row['stall']:.3f} s, lost/save {row['lost_per_save']:.3f} s, "
+                  f"commit {row['save_to_commit']:.3f} s, restore {row['restore']:.3f} s")
+            for k, goal in target.items():
+                if k in row:
+                    v = row[k]
+                    ok = v >= goal if k.endswith(("_threads",)) else v <= goal
+                    print(f"   {k:24s} {v:7.3f}   (target {'>=' if k.endswith('_threads') else '<='} "
+                          f"{goal}) {'ok' if ok else 'MISS'}")
+            for k in ("numpy_loop_process", "python_loop_process"):
+                if k in row:
+                    print(f"   {k:24s} {row[k]:7.3f}   (alternative: separate writer process)")
+    if not args.dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\nmax RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
