@@ -11,13 +11,13 @@ once and kept until the manager raises them on its next call.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,6 +36,7 @@ log = logging.getLogger("pitstop")
 
 HASH_CHUNK = 8 << 20
 WRITE_CHUNK = 32 << 20
+ALIGN = 4096
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Engine:
     def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
         """Copy every array of ``flat`` into a staging buffer; None when none is free and
         ``block`` is False. This is the whole stall of an asynchronous save."""
-        layout = Layout.of(flat.arrays)
+        layout = Layout.of(flat.arrays, self.writer_threads)
         buf = self.pool.acquire(layout, block)
         if buf is None:
             return None
@@ -215,6 +216,7 @@ class Engine:
             if job is None:
                 return
             name = self.name_of(job.step)
+            error: BaseException | None = None
             try:
                 self._persist(job, name)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
@@ -229,14 +231,16 @@ class Engine:
                     with self._lock:
                         if self.error is None:
                             self.error = err
-                    job.handle._finish(err)
+                    error = err
                 else:
                     job.handle.stats.skipped = str(e)
                     log.warning("pitstop: step %d not saved: %s", job.step, e)
-                    job.handle._finish(None)
             finally:
                 if job.release_buffer:
                     self.pool.release(job.buffer)
+            # finish only once the buffer is free again: a caller woken by wait() must find
+            # the engine idle (a periodic save right after it is never skipped as "busy")
+            job.handle._finish(error)
 
     def _persist(self, job: PersistJob, name: str) -> None:
         buf, layout = job.buffer, job.buffer.layout
@@ -245,7 +249,7 @@ class Engine:
             hook(job.step)
         t0 = time.perf_counter()
         # 1. hash (and check finiteness) in parallel; byte-balanced groups become the data files
-        groups = _groups(layout, self.writer_threads)
+        groups = layout.groups()
         if job.hashes is None:
             parts = list(self._executor.map(lambda g: self._hash_group(buf, g, job.check_finite),
                                             groups))
@@ -270,8 +274,8 @@ class Engine:
         txn = self.storage.begin(name)
         try:
             t_write = time.perf_counter()
-            results = list(self._executor.map(
-                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes), enumerate(groups)))
+            results = self._map_all(
+                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes), enumerate(groups))
             t_written = time.perf_counter()
             manifest = Manifest(
                 step=job.step, structure=job.structure, hash_algorithm=self.hash_algorithm,
@@ -303,14 +307,18 @@ class Engine:
         stats.path = txn.location
         if self.tier is not None and buf.shm_path is not None:
             self.tier.mark_committed(buf)
-        # 4. index and retention: only ever after the commit
-        try:
-            self.on_commit(manifest, name)
-        finally:
-            job.handle._finish(None)
         log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
                  job.step, stats.bytes / 2**20, stats.stall_s, stats.persist_s,
                  stats.throughput / 2**20)
+        # 4. index and retention: only ever after the commit (the handle finishes after it)
+        self.on_commit(manifest, name)
+
+    def _map_all(self, fn: Callable[[Any], Any], items: Any) -> list[Any]:
+        """``fn`` over ``items`` on the I/O threads; waits for *every* call before raising the
+        first failure, so an abort never races writers still filling the temporary dir."""
+        futures = [self._executor.submit(fn, item) for item in items]
+        wait_all(futures)
+        return [f.result() for f in futures]
 
     def _hash_group(self, buf: StagingBuffer, group: list[int],
                     check_finite: bool) -> tuple[dict[str, str], bool]:
@@ -336,12 +344,18 @@ class Engine:
         layout = buf.layout
         fname = f"data-{index:03d}.bin"
         entries: dict[str, ArrayEntry] = {}
-        w = txn.open_write(fname)
+        raw = self.compression in (None, "none")
+        w = txn.open_write(fname, direct=raw)
         try:
-            if self.compression in (None, "none"):
-                # the group is one contiguous region of the staging buffer: write it as is
+            if raw:
+                # the group is one contiguous, page-aligned region of the staging buffer:
+                # write it as is (with O_DIRECT where the file system allows: no page-cache
+                # copy on the CPU); the region ends on a page boundary, so the file carries
+                # a few bytes of padding after its last array
                 start = layout.offsets[group[0]]
                 end = layout.offsets[group[-1]] + layout.nbytes[group[-1]]
+                if getattr(w, "direct", False):
+                    end = min(-(-end // ALIGN) * ALIGN, buf.buf.size)
                 region = buf.buf[start:end]
                 for pos in range(0, end - start, WRITE_CHUNK):
                     w.write(region[pos:pos + WRITE_CHUNK])
@@ -383,24 +397,6 @@ def hash_chunks(algorithm: str, data: Any) -> str:
     for pos in range(0, len(view), HASH_CHUNK):
         h.update(view[pos:pos + HASH_CHUNK])
     return str(h.hexdigest())
-
-
-def _groups(layout: Layout, n: int) -> list[list[int]]:
-    """Split the arrays, in order, into at most ``n`` runs of about equal bytes."""
-    count = len(layout.keys)
-    if count == 0:
-        return []
-    total = sum(layout.nbytes) or 1
-    target = math.ceil(total / n)
-    groups: list[list[int]] = [[]]
-    acc = 0
-    for i in range(count):
-        if acc >= target and len(groups) < n:
-            groups.append([])
-            acc = 0
-        groups[-1].append(i)
-        acc += layout.nbytes[i]
-    return groups
 
 
 def _version() -> str:

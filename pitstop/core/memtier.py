@@ -143,6 +143,6 @@ def layout_from_json(doc: dict[str, Any]) -> Layout:
         offsets.append(int(off))
         sizes.append(int(n))
     layout = Layout(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
-                    int(doc["total"]))
+                    int(doc["total"]), tuple(doc.get("group_starts") or ([0] if keys else [])))
     assert all(encode_dtype(d) is not None for d in layout.dtypes)
     return layout

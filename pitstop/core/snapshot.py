@@ -39,13 +39,25 @@ class Layout:
     offsets: tuple[int, ...]
     nbytes: tuple[int, ...]
     total: int
+    #: index of the first array of each write group (one data file each); every group
+    #: starts page-aligned so it can be written with O_DIRECT straight from the buffer
+    group_starts: tuple[int, ...] = (0,)
 
     @classmethod
-    def of(cls, arrays: dict[str, ArrayLeaf]) -> Layout:
+    def of(cls, arrays: dict[str, ArrayLeaf], groups: int = 1) -> Layout:
         keys, shapes, dtypes, offsets, sizes = [], [], [], [], []
+        total_bytes = sum(leaf.nbytes for leaf in arrays.values())
+        target = max(1, -(-total_bytes // max(1, groups)))
+        starts = [0]
+        acc = 0
         pos = 0
-        for key, leaf in arrays.items():
+        for i, (key, leaf) in enumerate(arrays.items()):
             n = leaf.nbytes
+            if acc >= target and len(starts) < groups:
+                starts.append(i)
+                acc = 0
+                pos = _align(pos, LARGE_ALIGN)
+            acc += n
             pos = _align(pos, LARGE_ALIGN if n >= LARGE else SMALL_ALIGN)
             keys.append(key)
             shapes.append(tuple(leaf.shape))
@@ -54,10 +66,15 @@ class Layout:
             sizes.append(n)
             pos += n
         return cls(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
-                   _align(pos, LARGE_ALIGN))
+                   _align(pos, LARGE_ALIGN), tuple(starts) if keys else ())
+
+    def groups(self) -> list[list[int]]:
+        """Array indices per write group, in order."""
+        bounds = list(self.group_starts) + [len(self.keys)]
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
 
     def to_json(self) -> dict[str, Any]:
-        return {"total": self.total, "arrays": [
+        return {"total": self.total, "group_starts": list(self.group_starts), "arrays": [
             [k, encode_dtype(d), list(s), o, n]
             for k, s, d, o, n in zip(self.keys, self.shapes, self.dtypes, self.offsets, self.nbytes)]}
 
@@ -85,7 +102,9 @@ class StagingBuffer:
                 os.close(fd)
             self.buf = np.frombuffer(self._mmap, np.uint8)
         else:
-            self.buf = np.zeros(size, np.uint8)
+            # anonymous mmap: page-aligned (O_DIRECT writes need it), zero-filled
+            self._mmap = mmap.mmap(-1, size)
+            self.buf = np.frombuffer(self._mmap, np.uint8)
             self.buf[::4096] = 0  # fault every page in now, not during the first snapshot
         self.views: dict[str, np.ndarray] = {}
         for k, shape, dt, off, n in zip(layout.keys, layout.shapes, layout.dtypes,

@@ -34,7 +34,10 @@ class Transaction(ABC):
     location: str
 
     @abstractmethod
-    def open_write(self, relpath: str) -> Writer: ...
+    def open_write(self, relpath: str, direct: bool = False) -> Writer:
+        """A writer for one new file. ``direct`` is a hint: the caller passes page-aligned
+        buffers whose lengths are page multiples, so the bytes may bypass the page cache;
+        the writer's ``direct`` attribute says whether they do."""
 
     @abstractmethod
     def commit(self, manifest: bytes) -> None: ...

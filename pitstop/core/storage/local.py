@@ -7,10 +7,12 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,10 @@ from ..errors import DirectoryLockedError
 from .base import Storage, Transaction, Writer
 
 TMP_PREFIX = ".tmp-"
+#: what begin()/delete() name their temporaries (and write_meta inside META_DIR): cleanup
+#: removes these only, never anything else a user keeps in the directory
+_TMP_ENTRY = re.compile(r"^\.tmp-.+-[0-9a-f]{8}$")
+_TMP_META = re.compile(r"^.+\.tmp-[0-9a-f]{8}$")
 META_DIR = ".pitstop"
 MANIFEST = "manifest.json"
 
@@ -31,16 +37,38 @@ def fsync_dir(path: str) -> None:
 
 
 class _FileWriter(Writer):
-    __slots__ = ("fd", "durable")
+    """Writes one file; with ``direct`` it tries O_DIRECT (DMA from the caller's page-aligned
+    buffer, no page-cache copy) and falls back to buffered I/O where that is refused."""
 
-    def __init__(self, path: str, durable: bool) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    __slots__ = ("fd", "durable", "direct")
+
+    def __init__(self, path: str, durable: bool, direct: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self.direct = False
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
         self.durable = durable
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
         while view:
-            n = os.write(self.fd, view)
+            try:
+                n = os.write(self.fd, view)
+            except OSError as e:
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise
+                # the file system or this buffer's alignment refuses O_DIRECT: go buffered
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+                continue
             view = view[n:]
 
     def close(self) -> None:
@@ -59,8 +87,9 @@ class _LocalTransaction(Transaction):
         os.mkdir(self.tmp)
         self.location = os.path.join(storage.location, name)
 
-    def open_write(self, relpath: str) -> Writer:
-        return _FileWriter(os.path.join(self.tmp, relpath), self.storage.durable)
+    def open_write(self, relpath: str, direct: bool = False) -> Writer:
+        return _FileWriter(os.path.join(self.tmp, relpath), self.storage.durable,
+                           direct and self.storage.direct_io)
 
     def commit(self, manifest: bytes) -> None:
         w = _FileWriter(os.path.join(self.tmp, MANIFEST), self.storage.durable)
@@ -83,9 +112,11 @@ class LocalStorage(Storage):
     atomic_rename = True
     supports_locking = True
 
-    def __init__(self, location: str, *, durable: bool = True, create: bool = True) -> None:
+    def __init__(self, location: str, *, durable: bool = True, create: bool = True,
+                 direct_io: bool = True) -> None:
         self.location = os.path.abspath(os.fspath(location))
         self.durable = durable
+        self.direct_io = direct_io
         if create:
             os.makedirs(os.path.join(self.location, META_DIR), exist_ok=True)
 
@@ -144,9 +175,15 @@ class LocalStorage(Storage):
     def cleanup_incomplete(self) -> list[str]:
         removed = []
         for entry in os.listdir(self.location):
-            if entry.startswith(TMP_PREFIX):
+            if _TMP_ENTRY.match(entry):
                 shutil.rmtree(os.path.join(self.location, entry), ignore_errors=True)
                 removed.append(entry)
+        meta = os.path.join(self.location, META_DIR)
+        for entry in os.listdir(meta) if os.path.isdir(meta) else []:
+            if _TMP_META.match(entry):  # a write_meta interrupted before its rename
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(meta, entry))
+                removed.append(f"{META_DIR}/{entry}")
         return removed
 
     def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
@@ -236,9 +273,30 @@ class LocalStorage(Storage):
 class _Lock:
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
+        _held.add(self)
 
     def release(self) -> None:
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+    def _forget(self) -> None:
+        # in a forked child: the flock belongs to the parent. Closing our copy of the fd
+        # keeps a child that outlives a killed parent (a data-loader worker) from holding
+        # the directory; never LOCK_UN here, that would release the parent's lock too.
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+_held: weakref.WeakSet[_Lock] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_held):
+        lock._forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
