@@ -8,6 +8,7 @@ plain name for the ml_dtypes types numpy cannot describe (``"bfloat16"``,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ml_dtypes
@@ -49,11 +50,23 @@ def encode_dtype(dtype: np.dtype) -> Any:
 
 def decode_dtype(descr: Any) -> np.dtype:
     """Inverse of :func:`encode_dtype`; raises ValueError for what it does not know."""
+    if isinstance(descr, str):
+        return _decode_str(descr)
+    return _decode(descr)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_str(descr: str) -> np.dtype:
+    return _decode(descr)
+
+
+def _decode(descr: Any) -> np.dtype:
     if isinstance(descr, str) and descr in ML_DTYPES:
         return ML_DTYPES[descr]
     if isinstance(descr, list):
-        return np.lib.format.descr_to_dtype([tuple(d) if isinstance(d, list) else d for d in descr])
-    dt = np.dtype(descr)
+        dt = np.lib.format.descr_to_dtype([tuple(d) if isinstance(d, list) else d for d in descr])
+    else:
+        dt = np.dtype(descr)
     if dt.hasobject:
         raise ValueError(f"dtype {descr!r} holds Python objects")
     return dt

@@ -142,6 +142,8 @@ class Engine:
         self.tier = tier
         self.name_of = name_of
         self.hooks: dict[str, Callable[..., Any]] = {}
+        self._last_sig: list[Any] | None = None
+        self._last_layout: Layout | None = None
         self.error: CheckpointWriteError | None = None
         self._queue: queue.Queue[PersistJob | None] = queue.Queue()
         self._pending: list[SaveHandle] = []
@@ -154,7 +156,13 @@ class Engine:
     def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
         """Copy every array of ``flat`` into a staging buffer; None when none is free and
         ``block`` is False. This is the whole stall of an asynchronous save."""
-        layout = Layout.of(flat.arrays, self.writer_threads)
+        arrays = flat.arrays
+        sig = [(k, leaf.shape, leaf.dtype) for k, leaf in arrays.items()]
+        if sig == self._last_sig:
+            layout = self._last_layout  # same keys, shapes, dtypes: reuse, allocate nothing
+        else:
+            layout = Layout.of(arrays, self.writer_threads)
+            self._last_sig, self._last_layout = sig, layout
         buf = self.pool.acquire(layout, block)
         if buf is None:
             return None
@@ -162,9 +170,8 @@ class Engine:
             if self.tier is not None and buf.shm_path is not None:
                 self.tier.invalidate(buf)
             fences = []
-            views = buf.views
-            for key, leaf in flat.arrays.items():
-                leaf.snapshot_into(views[key])
+            for leaf, view in zip(arrays.values(), buf.view_list):
+                leaf.snapshot_into(view)
                 fence = leaf.snapshot_fence
                 if fence is not None and fence not in fences:
                     fences.append(fence)
@@ -202,6 +209,12 @@ class Engine:
             err, self.error = self.error, None
         if err is not None:
             raise err
+
+    def forget(self, err: BaseException) -> None:
+        """``err`` reached the caller another way (a synchronous save): do not raise it again."""
+        with self._lock:
+            if self.error is err:
+                self.error = None
 
     def close(self) -> None:
         self.drain()
@@ -328,9 +341,11 @@ class Engine:
         for i in group:
             off, n = layout.offsets[i], layout.nbytes[i]
             raw = buf.buf[off:off + n]
-            if self.compression not in (None, "none"):
-                continue  # hashed after encoding, while writing
-            out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
+            # the raw bytes' hash: the manifest's when uncompressed (compressed payloads are
+            # hashed while writing), and always the memory tier's seal
+            if self.compression in (None, "none") or self.tier is not None:
+                out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
+            # the non-finite guard holds with or without compression
             if check_finite and finite:
                 v = buf.views[layout.keys[i]]
                 if v.dtype.kind in "fc" and v.size and not np.isfinite(v).all():

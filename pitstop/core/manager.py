@@ -18,7 +18,7 @@ from typing import Any, Callable
 from . import memtier as memtier_mod
 from .engine import Engine, PersistJob, SaveHandle, SaveStats
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     StepExistsError)
+                     StepExistsError, UnsupportedFormatError)
 from .hashing import ALGORITHMS, DEFAULT
 from .manifest import Manifest
 from .memtier import MemoryTier
@@ -102,6 +102,10 @@ class CheckpointManager:
         self.on_save = on_save
         self.stats: list[SaveStats] = []
         self._closed = False
+        #: the signal whose save is under way (a repeat of it acts at once)
+        self._handling_signal: int | None = None
+        #: a repeated signal stopped waiting for the save: exit without waiting for it
+        self._abandoned = False
         self._lock = None
         self._state_lock = threading.RLock()
         self._index: dict[int, CheckpointInfo] = {}
@@ -267,11 +271,13 @@ class CheckpointManager:
         for s in steps:
             try:
                 return CheckpointReader(self.storage, step_name(s)).load()
-            except CorruptCheckpointError as e:
+            except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
                     raise
-                warnings.warn(f"pitstop: skipping corrupt checkpoint: {e}", stacklevel=2)
+                warnings.warn(f"pitstop: skipping unreadable checkpoint: {e}", stacklevel=2)
                 last = e
+        if isinstance(last, UnsupportedFormatError):
+            raise last
         if last is not None:
             raise CheckpointNotFoundError(f"no valid checkpoint in {self.directory}") from last
         raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
@@ -329,6 +335,12 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._abandoned:
+            # a second Ctrl+C while the signal's save persisted: the user wants out now.
+            # Do not wait for it; close() can still be called later to wait and release.
+            log.warning("pitstop: interrupted twice; not waiting for the pending save "
+                        "(its snapshot stays in the memory tier when that is on)")
+            return
         if exc_type is not None and self._engine is not None:
             # the last consistent state is the last snapshot taken at a step boundary:
             # make sure it is committed before the exception propagates
@@ -346,7 +358,7 @@ class CheckpointManager:
 
     def __del__(self) -> None:
         try:
-            if not self._closed and self._engine is not None:
+            if not self._closed and not self._abandoned and self._engine is not None:
                 self.close()
         except Exception:  # noqa: BLE001
             pass
@@ -359,7 +371,12 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         engine = self._engine
         assert engine is not None
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
         if self._recovered is not None:  # first save after a recovery without restore
+            # the recovered snapshot may still be persisting from that very buffer: let it
+            # commit before a new snapshot may overwrite it
+            engine.drain()
             self.pool.release(self._recovered[0])
             self._recovered = None
         clean_metrics = _metrics(metrics)
@@ -388,17 +405,22 @@ class CheckpointManager:
                          check_finite=self.nonfinite_guard)
         # values are captured by reference; the snapshot must not see later mutations
         job.values = {k: _freeze(v) for k, v in flat.values.items()}
+        # recorded before the persist starts: on_save must find these figures, not blanks
+        self.stats.append(stats)
+        if len(self.stats) > 1000:
+            del self.stats[:500]
         engine.submit(job)
         ctx = self._ctx
         ctx.last_save_step = step
         ctx.last_save_time = time.monotonic()
         if self._auto is not None:
             self._auto.update(stats.stall_s)
-        self.stats.append(stats)
-        if len(self.stats) > 1000:
-            del self.stats[:500]
         if not self.async_save:
-            handle.wait()
+            try:
+                handle.wait()
+            except CheckpointError as e:
+                engine.forget(e)  # reported right here; the next call must not raise it again
+                raise
         return handle
 
     def _on_commit(self, manifest: Manifest, name: str) -> None:
@@ -409,6 +431,14 @@ class CheckpointManager:
             self._index[manifest.step] = info
             doomed = to_delete(list(self._index.values()), self.retention)
             for s in doomed:
+                if not self._written_here(s):
+                    # the index said ours, the directory says otherwise (copied in, replaced)
+                    old = self._index[s]
+                    self._index[s] = CheckpointInfo(s, old.metrics, False, old.all_finite,
+                                                    old.protected)
+                    log.warning("pitstop: retention leaves %s alone: this manager did not "
+                                "write it", self.storage.path_of(step_name(s)))
+                    continue
                 try:
                     if self.storage.delete_if_unread(step_name(s)):  # type: ignore[attr-defined]
                         del self._index[s]
@@ -417,6 +447,8 @@ class CheckpointManager:
                         log.info("pitstop: retention keeps step %d for now: it is being read", s)
                 except FileNotFoundError:
                     del self._index[s]
+                except OSError as e:  # a failed deletion must not fail the committed save
+                    log.warning("pitstop: retention could not delete step %d: %s", s, e)
             self._write_index()
         for stats_cb in (self.on_save,):
             if stats_cb is not None:
@@ -424,6 +456,15 @@ class CheckpointManager:
                     stats_cb(self._stats_of(manifest.step))
                 except Exception:  # noqa: BLE001
                     log.exception("pitstop: on_save callback failed")
+
+    def _written_here(self, step: int) -> bool:
+        """True when the checkpoint's own manifest names this directory's id (checked right
+        before retention deletes it: pitstop never deletes what it did not write)."""
+        try:
+            m = CheckpointReader(self.storage, step_name(step)).manifest
+        except (CheckpointError, OSError):
+            return False
+        return bool(self.directory_id) and m.directory_id == self.directory_id
 
     def _stats_of(self, step: int) -> SaveStats:
         for s in reversed(self.stats):
@@ -442,6 +483,7 @@ class CheckpointManager:
             reader = CheckpointReader(self.storage, step_name(step))
             with self._reading(step_name(step)):
                 return step, reader.restore_into(flat, strict)
+        newer: UnsupportedFormatError | None = None
         for s in reversed(steps):
             name = step_name(s)
             try:
@@ -455,6 +497,15 @@ class CheckpointManager:
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
                 self._quarantine(s)
+            except UnsupportedFormatError as e:
+                # written by a newer pitstop: not corrupt, so never moved aside
+                msg = (f"pitstop: cannot read checkpoint {self.storage.path_of(name)} ({e}); "
+                       "falling back to the previous one")
+                log.error(msg)
+                warnings.warn(msg, stacklevel=3)
+                newer = newer or e
+        if newer is not None:
+            raise newer  # nothing older to use: never start from scratch silently
         return None, None
 
     def _reading(self, name: str) -> Any:
@@ -561,9 +612,12 @@ class CheckpointManager:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # never save here: only note it; the next step() boundary saves
-        if self._pending_signal == signum:
-            # asked twice: the user means it, act now
-            self._exit_like(signum)
+        if signum in (self._pending_signal, self._handling_signal):
+            if signal.Signals(signum).name in CONTINUE_SIGNALS:
+                return  # a save for it is already requested or under way
+            # asked twice: the user means it, act now (also while the first save persists)
+            self._abandoned = True
+            self._exit_like(signum, self._signals.get(signum, signal.SIG_DFL))
         self._pending_signal = signum
         log.warning("pitstop: %s received; saving at the next step boundary",
                     signal.Signals(signum).name)
@@ -572,21 +626,26 @@ class CheckpointManager:
                        ) -> SaveHandle | None:
         signum = self._pending_signal
         assert signum is not None
+        self._handling_signal = signum
         self._pending_signal = None
-        handle = None
-        if step not in self._index:
-            handle = self._save(step, state, metrics, block=True, periodic=False)
-        self.wait()
         name = signal.Signals(signum).name
-        log.warning("pitstop: saved step %d after %s", step, name)
-        if name in CONTINUE_SIGNALS:
+        try:
+            handle = None
+            if step not in self._index:
+                handle = self._save(step, state, metrics, block=True, periodic=False)
+            self.wait()
+            log.warning("pitstop: saved step %d after %s", step, name)
+            if name in CONTINUE_SIGNALS:
+                return handle
+            # the handler the program had before ours: close() uninstalls ours
+            previous = self._signals.get(signum, signal.SIG_DFL)
+            self.close()
+            self._exit_like(signum, previous)
             return handle
-        self.close()
-        self._exit_like(signum)
-        return handle
+        finally:
+            self._handling_signal = None
 
-    def _exit_like(self, signum: int) -> None:
-        previous = self._signals.get(signum, signal.SIG_DFL)
+    def _exit_like(self, signum: int, previous: Any) -> None:
         self._uninstall_signals()
         if signum == signal.SIGINT and previous in (signal.default_int_handler, signal.SIG_DFL):
             raise KeyboardInterrupt
@@ -619,8 +678,14 @@ class CheckpointManager:
         known: dict[int, CheckpointInfo] = {}
         if raw is not None:
             try:
-                for s, d in json.loads(raw)["checkpoints"].items():
-                    known[int(s)] = CheckpointInfo(int(s), d.get("metrics") or {},
+                doc = json.loads(raw)
+                if doc["directory_id"] != self.directory_id:
+                    raise ValueError("the index of another directory")
+                for s, d in doc["checkpoints"].items():
+                    metrics = d.get("metrics") or {}
+                    if not isinstance(metrics, dict):
+                        raise TypeError(f"metrics of step {s} are not a dict")
+                    known[int(s)] = CheckpointInfo(int(s), metrics,
                                                    bool(d.get("ours")), d.get("all_finite"),
                                                    bool(d.get("protected")))
             except (ValueError, KeyError, TypeError, AttributeError):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from .dtypes import decode_dtype
 from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .tree import decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.0"
@@ -25,7 +26,7 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
-@dataclass
+@dataclass(slots=True)
 class ArrayEntry:
     """Where one array's bytes live and how to check them."""
 
@@ -70,9 +71,10 @@ class Manifest:
             "directory_id": self.directory_id,
             "writer": self.writer,
             "hash_algorithm": self.hash_algorithm,
-            "metrics": self.metrics,
+            # non-finite floats (a NaN loss) are kept as {"$float": "nan"}, as in values
+            "metrics": encode_value(self.metrics),
             "all_finite": self.all_finite,
-            "user_metadata": self.user_metadata,
+            "user_metadata": encode_value(self.user_metadata),
             "files": {name: {"length": n} for name, n in self.files.items()},
             "arrays": {k: e.to_json() for k, e in self.arrays.items()},
             "values": self.values,
@@ -112,7 +114,7 @@ def parse(data: bytes, where: str) -> Manifest:
         major += 1
     try:
         return _validate(doc, where)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})",
                                      checkpoint=where) from None
 
@@ -155,9 +157,9 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
     return Manifest(
         step=step, arrays=arrays, values=dict(doc.get("values", {})),
         structure=doc.get("structure"), files=files,
-        hash_algorithm=str(doc["hash_algorithm"]), metrics=dict(doc.get("metrics") or {}),
+        hash_algorithm=str(doc["hash_algorithm"]), metrics=dict(decode_value(doc.get("metrics") or {})),
         directory_id=doc.get("directory_id"), created_unix=float(doc.get("created_unix", 0.0)),
         all_finite=doc.get("all_finite"), writer=dict(doc.get("writer") or {}),
-        user_metadata=dict(doc.get("user_metadata") or {}),
+        user_metadata=dict(decode_value(doc.get("user_metadata") or {})),
         format_version=str(doc["format_version"]),
     )

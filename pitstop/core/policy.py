@@ -207,6 +207,8 @@ def to_delete(checkpoints: Sequence[CheckpointInfo], policies: Sequence[Retentio
     for p in policies:
         keep |= p.keep(mine)
     keep.add(max(c.step for c in checkpoints))
+    if mine:  # our own newest too, even when a foreign checkpoint has a higher step
+        keep.add(max(c.step for c in mine))
     finite = [c.step for c in checkpoints if c.all_finite]
     if finite:
         keep.add(max(finite))

@@ -12,15 +12,16 @@ import numpy as np
 
 from . import codecs
 from .dtypes import decode_dtype
-from .errors import CorruptCheckpointError, IncompatibleTargetError
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
 from .storage import Storage
 from .storage.local import MANIFEST
-from .tree import FlatState, decode_value, join, split, unflatten
+from .tree import FlatState, decode_value, encode_value, join, split, unflatten
 
 READ_CHUNK = 16 << 20
 SMALL = 1 << 20
+WINDOW = 8 << 20
 
 
 @dataclass
@@ -30,6 +31,8 @@ class RestoreReport:
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     mismatched_keys: list[str] = field(default_factory=list)
+    #: mismatched key -> what differs (for the error message)
+    details: dict[str, str] = field(default_factory=dict)
 
 
 class RestoredStep(int):
@@ -55,12 +58,15 @@ class CheckpointReader:
         self.storage = storage
         self.name = name
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
+        self._sources: dict[str, _FileSource] = {}
         self.where = storage.path_of(name)
         try:
             data = storage.read_bytes(name, MANIFEST)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.where}: manifest.json is missing",
                                          checkpoint=self.where) from None
+        except PermissionError as e:  # e.g. a manifest.json symlinked to outside the checkpoint
+            raise CorruptCheckpointError(f"{self.where}: {e}", checkpoint=self.where) from None
         self.manifest: Manifest = parse(data, self.where)
 
     # ------------------------------------------------------------------ checks
@@ -119,7 +125,10 @@ class CheckpointReader:
         return out
 
     def _read(self, entry: ArrayEntry, offset: int, out: np.ndarray) -> int:
+        src = self._sources.get(entry.file)
         try:
+            if src is not None:
+                return src.read_into(offset, out)
             return self.storage.read_into(self.name, entry.file, offset, out)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.where}: data file {entry.file} is missing",
@@ -165,32 +174,62 @@ class CheckpointReader:
             if key not in ck_keys and any(k.startswith(key + "/") for k in ck_keys):
                 rebuilt[key] = self._subtree(key)
         covered = {k for k in ck_keys for p in rebuilt if k.startswith(p + "/")}
+        bad: set[str] = set()
+        resized: set[str] = set()
+
+        def mismatch(key: str, what: str) -> None:
+            report.mismatched_keys.append(key)
+            report.details[key] = what
+            bad.add(key)
+
         for key, leaf in flat.arrays.items():
             e = m.arrays.get(key)
             if e is None:
                 if key not in m.values:
                     report.missing_keys.append(key)
                 else:
-                    report.mismatched_keys.append(f"{key}: array in the target, value in the checkpoint")
+                    mismatch(key, "array in the target, value in the checkpoint")
                 continue
             dtype = decode_dtype(e.dtype)
-            if tuple(e.shape) != tuple(leaf.shape) or dtype != leaf.dtype:
-                report.mismatched_keys.append(
-                    f"{key}: checkpoint {dtype}{list(e.shape)}, target {leaf.dtype}{list(leaf.shape)}")
+            if (key in flat.scalars and dtype != leaf.dtype and dtype.kind == leaf.dtype.kind
+                    and dtype.kind in "US" and not e.shape):
+                resized.add(key)  # np.str_ / np.bytes_ of another length: replaced anyway
+            elif tuple(e.shape) != tuple(leaf.shape) or dtype != leaf.dtype:
+                mismatch(key, f"checkpoint {dtype}{list(e.shape)}, "
+                              f"target {leaf.dtype}{list(leaf.shape)}")
         for key in flat.values:
-            if key not in m.values and key not in rebuilt and key not in m.arrays:
+            if key in m.arrays and key not in m.values:
+                mismatch(key, "value in the target, array in the checkpoint")
+            elif key not in m.values and key not in rebuilt:
                 report.missing_keys.append(key)
+        # a value or numpy scalar held in a tuple cannot be replaced in place: fine when the
+        # checkpoint holds the same value, a mismatch otherwise (never a silent stale value)
+        in_tuple: set[str] = set()
+        for key, (container, k) in [*flat.parents.items(), *flat.scalars.items()]:
+            if not isinstance(container, tuple) or key in bad:
+                continue
+            in_tuple.add(key)
+            if key in rebuilt:
+                new = rebuilt[key]
+            elif key in flat.scalars and key in m.arrays:
+                new = self.read_array(key, m.arrays[key])[()]
+            elif key in m.values:
+                new = decode_value(m.values[key])
+            else:
+                continue
+            if not _same(container[k], new):
+                mismatch(key, f"held in a tuple, which cannot be changed in place: checkpoint "
+                              f"{new!r:.60}, target {container[k]!r:.60}. Use a list, or load()")
         report.unexpected_keys = sorted(
             k for k in ck_keys - set(flat.arrays) - set(flat.values) - covered)
         if strict and (report.missing_keys or report.unexpected_keys or report.mismatched_keys):
             raise IncompatibleTargetError(
                 _describe(self.where, report), missing=report.missing_keys,
                 unexpected=report.unexpected_keys, mismatched=report.mismatched_keys)
-        bad = {k.split(":")[0] for k in report.mismatched_keys}
         self.check_files()
         # arrays, in file order so reads stay sequential
         todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
-                if k in m.arrays and k not in bad]
+                if k in m.arrays and k not in bad and k not in resized]
         todo.sort(key=lambda t: (t[2].file, t[2].offset))
 
         def restore_one(item: tuple[str, Any, ArrayEntry]) -> None:
@@ -203,8 +242,9 @@ class CheckpointReader:
 
         self._per_file(todo, restore_one)
         for key, (container, k) in flat.scalars.items():
-            if key in m.arrays and key not in bad:
-                container[k] = flat.arrays[key].array[()]  # type: ignore[attr-defined]
+            if key in m.arrays and key not in bad and key not in in_tuple:
+                container[k] = (self.read_array(key, m.arrays[key])[()] if key in resized else
+                                flat.arrays[key].array[()])  # type: ignore[attr-defined]
         for key, value in flat.values.items():
             if key in rebuilt:
                 new = rebuilt[key]
@@ -213,7 +253,7 @@ class CheckpointReader:
             else:
                 continue
             parent = flat.parents.get(key)
-            if parent is not None:
+            if parent is not None and key not in in_tuple and key not in bad:
                 container, k = parent
                 container[k] = new
         return report
@@ -225,14 +265,22 @@ class CheckpointReader:
         for item in items:
             by_file.setdefault(item[-1].file, []).append(item)
         runs = list(by_file.values())
-        if len(runs) <= 1 or self.threads <= 1:
-            for item in items:
-                fn(item)
-            return
-        with ThreadPoolExecutor(min(self.threads, len(runs)),
-                                thread_name_prefix="pitstop-read") as ex:
-            for _ in ex.map(lambda run: [fn(i) for i in run], runs):
-                pass
+        for fname in by_file:
+            if fname not in self._sources:
+                self._sources[fname] = _FileSource(self, fname)
+        try:
+            if len(runs) <= 1 or self.threads <= 1:
+                for item in items:
+                    fn(item)
+                return
+            with ThreadPoolExecutor(min(self.threads, len(runs)),
+                                    thread_name_prefix="pitstop-read") as ex:
+                for _ in ex.map(lambda run: [fn(i) for i in run], runs):
+                    pass
+        finally:
+            for src in self._sources.values():
+                src.close()
+            self._sources.clear()
 
     def _subtree(self, prefix: str) -> Any:
         """Rebuild the checkpoint's subtree at ``prefix`` (fresh arrays)."""
@@ -252,6 +300,57 @@ class CheckpointReader:
         if node is None:
             return leaves
         return unflatten(node, leaves, prefix)
+
+
+class _FileSource:
+    """Reads one data file through one descriptor; small reads are served from a window
+    read ahead in one call, so thousands of small tensors cost a few large reads."""
+
+    def __init__(self, reader: CheckpointReader, fname: str) -> None:
+        self.reader = reader
+        self.fname = fname
+        self.length = reader.manifest.files.get(fname, 0)
+        opener = getattr(reader.storage, "open_reader", None)
+        self.fd: int | None = None
+        if opener is not None:
+            try:
+                self.fd = opener(reader.name, fname)
+            except (FileNotFoundError, PermissionError):
+                self.fd = None  # the plain path below reports it as corruption
+        self.window = np.empty(0, np.uint8)
+        self.w_start = self.w_end = 0
+
+    def read_into(self, offset: int, out: np.ndarray) -> int:
+        n = out.nbytes
+        if self.fd is None:
+            return self.reader.storage.read_into(self.reader.name, self.fname, offset, out)
+        if n <= SMALL and not (self.w_start <= offset and offset + n <= self.w_end):
+            size = max(0, min(WINDOW, self.length - offset))
+            if self.window.size < WINDOW:
+                self.window = np.empty(WINDOW, np.uint8)
+            got = _pread(self.fd, self.window[:size], offset)
+            self.w_start, self.w_end = offset, offset + got
+        if self.w_start <= offset and offset + n <= self.w_end:
+            a = offset - self.w_start
+            out.reshape(-1).view(np.uint8)[:] = self.window[a:a + n]
+            return n
+        return _pread(self.fd, out, offset)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _pread(fd: int, out: np.ndarray, offset: int) -> int:
+    view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+    total = 0
+    while total < len(view):
+        got = os.preadv(fd, [view[total:]], offset + total)
+        if got == 0:
+            break
+        total += got
+    return total
 
 
 def _child(node: Any, comp: str) -> Any:
@@ -280,9 +379,22 @@ def _describe(where: str, r: RestoreReport) -> str:
     if r.unexpected_keys:
         parts.append(f"in the checkpoint but not in the target: {some(r.unexpected_keys)}")
     if r.mismatched_keys:
-        parts.append(f"shape/dtype mismatch: {some(r.mismatched_keys)}")
+        parts.append("mismatched: " + some(
+            [f"{k} ({r.details[k]})" if k in r.details else k for k in r.mismatched_keys]))
     parts.append("Pass strict=False to restore what matches.")
     return " ".join(parts)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """True when a live value equals a restored one, bit for bit (NaN equals NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.generic):
+        return bool(np.asarray(a).tobytes() == np.asarray(b).tobytes())
+    try:
+        return bool(encode_value(a) == encode_value(b))
+    except CheckpointError:
+        return False
 
 
 def nbytes_of(entry: ArrayEntry) -> int:

@@ -110,6 +110,7 @@ class StagingBuffer:
         for k, shape, dt, off, n in zip(layout.keys, layout.shapes, layout.dtypes,
                                         layout.offsets, layout.nbytes):
             self.views[k] = self.buf[off:off + n].view(dt).reshape(shape)
+        self.view_list = list(self.views.values())
         self.step: int | None = None
         self.busy = False
 
@@ -129,6 +130,7 @@ class StagingBuffer:
 
     def close(self, unlink: bool = True) -> None:
         self.views.clear()
+        self.view_list = []
         self.buf = np.empty(0, np.uint8)
         if self._mmap is not None:
             try:

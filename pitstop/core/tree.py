@@ -35,7 +35,9 @@ def unescape(component: str) -> str:
 
 
 def join(prefix: str, key: Any) -> str:
-    part = escape(str(key))
+    part = key if type(key) is str else str(key)
+    if "/" in part or "~" in part:
+        part = escape(part)
     return f"{prefix}/{part}" if prefix else part
 
 
@@ -80,16 +82,19 @@ class ArrayLeaf:
 class NumpyLeaf(ArrayLeaf):
     """An ``np.ndarray`` leaf: any shape, order or stride; restored in place."""
 
-    __slots__ = ("array", "shape", "dtype")
+    __slots__ = ("array", "shape", "dtype", "nbytes")
 
     def __init__(self, array: np.ndarray) -> None:
-        check_savable_dtype(array.dtype)
+        dt = array.dtype
+        if dt.hasobject:
+            check_savable_dtype(dt)
         self.array = array
-        self.shape = tuple(array.shape)
-        self.dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        self.shape = array.shape
+        self.dtype = dt.newbyteorder("<") if dt.byteorder == ">" else dt
+        self.nbytes = array.nbytes
 
     def snapshot_into(self, out: np.ndarray) -> None:
-        np.copyto(out, self.array, casting="no" if out.dtype == self.array.dtype else "equiv")
+        np.copyto(out, self.array)  # same dtype, or a byte swap to little-endian
 
     def host_view(self) -> np.ndarray | None:
         a = self.array
@@ -232,6 +237,9 @@ def flatten(state: Any, resolve: Resolver | None = None) -> FlatState:
 
 def _flatten(obj: Any, path: str, flat: FlatState, resolve: Resolver | None,
              parent: Any, key: Any) -> Any:
+    if type(obj) is np.ndarray:  # the common leaf first
+        flat.arrays[path or "<root>"] = NumpyLeaf(obj)
+        return 0
     if isinstance(obj, ArrayLeaf):
         flat.arrays[_leaf_path(path)] = obj
         return 0
@@ -249,9 +257,16 @@ def _flatten(obj: Any, path: str, flat: FlatState, resolve: Resolver | None,
             return _value(obj, path, flat, parent, key)
         items = []
         for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
+            tk = type(k)
+            if tk is not str and (tk is not int):
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise UnsupportedStateError(
+                        f"state entry {path or '<root>'!r}: key {k!r} must be str or int")
+            if tk is not str and str(k) in obj:
+                # 1 and "1" share the key path "…/1": one would silently overwrite the other
                 raise UnsupportedStateError(
-                    f"state entry {path or '<root>'!r}: key {k!r} must be str or int")
+                    f"state entry {path or '<root>'!r}: keys {str(k)!r} and {k!r} have "
+                    "the same key path; rename one")
             items.append([k, _flatten(v, join(path, k), flat, resolve, obj, k)])
         return {"$d": items}
     if isinstance(obj, (list, tuple)):
@@ -280,6 +295,8 @@ def _leaf_path(path: str) -> str:
 
 def _value(obj: Any, path: str, flat: FlatState, parent: Any, key: Any) -> int:
     p = _leaf_path(path)
+    # fail now, on the caller's thread, not later in the background persist (a set, an object)
+    encode_value(obj, path)
     flat.values[p] = obj
     if parent is not None:
         flat.parents[p] = (parent, key)
