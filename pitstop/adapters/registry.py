@@ -40,6 +40,7 @@ INSTALL_HINT = {"torch": "torch", "tensorflow": "tf", "keras": "keras", "jax": "
                 "jaxlib": "jax", "flax": "jax", "optax": "jax"}
 
 _adapters: list[Adapter] = []
+_not_built: set[str] = set()
 #: called with every new staging buffer (a uint8 numpy array), e.g. to page-lock it for
 #: asynchronous device-to-host copies; framework adapters append to it on import
 staging_hooks: list[Any] = []
@@ -64,7 +65,8 @@ def _load_for(obj: Any) -> None:
                 importlib.import_module(target)
             except ModuleNotFoundError as e:
                 if e.name and e.name.startswith("pitstop"):
-                    continue  # that adapter is not built yet; fall back to the generic ones
+                    _not_built.add(root)  # that adapter is not built yet
+                    continue
                 raise ImportError(
                     f"pitstop needs its {root} support for {type(obj).__name__}: "
                     f"pip install 'pitstop[{INSTALL_HINT[root]}]'") from e
@@ -96,4 +98,10 @@ def resolve(obj: Any) -> Adapter | None:
     for a in _generic:
         if a.can_handle(obj):
             return a
+    root = type(obj).__module__.split(".")[0]
+    if root in _not_built:
+        from ..core.errors import UnsupportedStateError
+        raise UnsupportedStateError(
+            f"{type(obj).__module__}.{type(obj).__qualname__}: this pitstop has no {root} "
+            "adapter yet; put numpy arrays (np.asarray(x)) and plain values in the state instead")
     return None
