@@ -7,6 +7,7 @@
 """
 
 from ._version import __version__
+from .adapters.rng import RNG
 from .core.engine import SaveHandle, SaveStats
 from .core.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
                           CorruptCheckpointError, DirectoryLockedError, IncompatibleTargetError,
@@ -16,7 +17,7 @@ from .core.policy import (AnyOf, AutoInterval, EveryNSteps, EverySeconds, KeepAl
                           KeepEverySteps, KeepLast, OnImprovement)
 
 __all__ = [
-    "CheckpointManager", "SaveHandle", "SaveStats",
+    "CheckpointManager", "SaveHandle", "SaveStats", "RNG",
     "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError",
     "UnsupportedFormatError", "DirectoryLockedError", "CheckpointNotFoundError",
     "StepExistsError", "CheckpointWriteError", "UnsupportedStateError",
@@ -24,3 +25,11 @@ __all__ = [
     "KeepLast", "KeepEverySteps", "KeepBest", "KeepAll",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Short, lazy aliases: ``pitstop.torch`` is ``pitstop.adapters.torch`` (imported on use)."""
+    if name == "torch":
+        import importlib
+        return importlib.import_module("pitstop.adapters.torch")
+    raise AttributeError(f"module 'pitstop' has no attribute {name!r}")

@@ -39,6 +39,29 @@ WRITE_CHUNK = 32 << 20
 ALIGN = 4096
 
 
+#: longest uninterrupted wait on the main thread (see :func:`wait_event`)
+SIGNAL_POLL_S = 0.1
+
+
+def wait_event(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)``, in short slices on the main thread.
+
+    Python runs signal handlers only on the main thread, between bytecodes; an untimed lock
+    wait is not woken when the kernel delivers the signal to another thread (the persist or
+    I/O threads), so a second Ctrl+C / SIGTERM during a save would wait for the save.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return event.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = SIGNAL_POLL_S if deadline is None else min(SIGNAL_POLL_S,
+                                                          deadline - time.monotonic())
+        if left <= 0:
+            return event.is_set()
+        if event.wait(left):
+            return True
+
+
 @dataclass
 class SaveStats:
     """Figures of one save. Times are seconds; ``stall_s`` is what the caller waited."""
@@ -86,7 +109,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the commit; raises the save's error. Returns False on timeout."""
-        if not self._event.wait(timeout):
+        if not wait_event(self._event, timeout):
             return False
         if self._error is not None:
             raise self._error
@@ -201,7 +224,7 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            h._event.wait(left)
+            wait_event(h._event, left)
 
     def raise_pending(self) -> None:
         """Raise (once) the first background failure not yet reported to the caller."""

@@ -255,6 +255,7 @@ class CheckpointManager:
 
     def rollback(self, state: Any) -> RestoredStep | None:
         """Restore the newest checkpoint whose arrays were all finite (non-finite guard)."""
+        self.wait()  # a save still persisting may be the newest finite one
         finite = sorted((s for s, i in self._index.items() if i.all_finite), reverse=True)
         if not finite:
             return None
@@ -311,6 +312,9 @@ class CheckpointManager:
             return
         self._closed = True
         error: BaseException | None = None
+        # a terminating signal that arrived after the last step(): pitstop only deferred it
+        pending = self._pending_signal
+        previous = self._signals.get(pending, signal.SIG_DFL) if pending is not None else None
         try:
             if self._engine is not None:
                 self._engine.close()
@@ -330,6 +334,11 @@ class CheckpointManager:
             self._release_lock()
         if error is not None:
             raise error
+        if pending is not None and signal.Signals(pending).name not in CONTINUE_SIGNALS:
+            log.warning("pitstop: %s received after the last step; pending saves are "
+                        "committed, acting on it now", signal.Signals(pending).name)
+            self._pending_signal = None
+            self._exit_like(pending, previous)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -359,6 +368,7 @@ class CheckpointManager:
     def __del__(self) -> None:
         try:
             if not self._closed and not self._abandoned and self._engine is not None:
+                self._pending_signal = None  # never kill or raise from the garbage collector
                 self.close()
         except Exception:  # noqa: BLE001
             pass
@@ -413,6 +423,11 @@ class CheckpointManager:
         ctx = self._ctx
         ctx.last_save_step = step
         ctx.last_save_time = time.monotonic()
+        if self._policy is not None:
+            ctx.metrics = clean_metrics
+            saved = getattr(self._policy, "saved", None)
+            if saved is not None:
+                saved(step, ctx)
         if self._auto is not None:
             self._auto.update(stats.stall_s)
         if not self.async_save:
@@ -756,7 +771,7 @@ def _freeze(v: Any) -> Any:
 
 def _pin_hooks() -> list[Any]:
     from ..adapters.registry import staging_hooks
-    return list(staging_hooks)
+    return staging_hooks  # the live list: adapters imported later add their hooks to it
 
 
 def _tier_manifest(meta: dict[str, Any]) -> bytes:

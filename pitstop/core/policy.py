@@ -76,12 +76,18 @@ class OnImprovement:
         if not ctx.metrics or self.metric not in ctx.metrics:
             return False
         v = float(ctx.metrics[self.metric])
-        if not math.isfinite(v):
-            return False
-        if self.best is None or (v < self.best if self.mode == "min" else v > self.best):
-            self.best = v
-            return True
-        return False
+        return math.isfinite(v) and self._better(v)
+
+    def saved(self, step: int, ctx: SaveContext) -> None:
+        """A snapshot was taken: its metric is the one to beat. (Not in ``should_save``: an
+        improvement whose save was skipped, e.g. while busy, must still count as one.)"""
+        if ctx.metrics and self.metric in ctx.metrics:
+            v = float(ctx.metrics[self.metric])
+            if math.isfinite(v) and self._better(v):
+                self.best = v
+
+    def _better(self, v: float) -> bool:
+        return self.best is None or (v < self.best if self.mode == "min" else v > self.best)
 
     def __repr__(self) -> str:
         return f"OnImprovement({self.metric!r}, {self.mode!r})"
@@ -111,10 +117,8 @@ class AutoInterval:
             self._logged = interval
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
-        if ctx.last_save_step is None:
-            return True  # the first save measures the cost
         if self.interval_s is None:
-            return False
+            return True  # the first save (also after a restart) measures the cost
         return ctx.now - ctx.last_save_time >= self.interval_s
 
     def __repr__(self) -> str:
@@ -133,6 +137,13 @@ class AnyOf:
             if p.should_save(step, ctx):
                 decision = True
         return decision
+
+    def saved(self, step: int, ctx: SaveContext) -> None:
+        """Tell the policies that keep state that a save's snapshot was taken."""
+        for p in self.policies:
+            hook = getattr(p, "saved", None)
+            if hook is not None:
+                hook(step, ctx)
 
     def __repr__(self) -> str:
         return f"AnyOf({', '.join(map(repr, self.policies))})"

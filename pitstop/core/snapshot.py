@@ -156,7 +156,7 @@ class StagingPool:
                  pin_hooks: list[Any] | None = None) -> None:
         self.capacity = max(1, capacity)
         self.shm_prefix = shm_prefix
-        self.pin_hooks = pin_hooks or []
+        self.pin_hooks = pin_hooks if pin_hooks is not None else []
         self.buffers: list[StagingBuffer] = []
         self.cond = threading.Condition()
 
@@ -178,7 +178,7 @@ class StagingPool:
                     break
                 if not block:
                     return None
-                self.cond.wait()
+                self.cond.wait(0.1)  # in slices: lets the main thread run signal handlers
             buf.busy = True
             return buf
 

@@ -1,0 +1,238 @@
+"""A torch tensor as an array leaf: captured by reference, snapshotted and restored in place.
+
+CPU tensors are read and written through a numpy view of their own storage (no copy);
+bfloat16 and float8 tensors are viewed as same-width integers and then as the matching
+``ml_dtypes`` type, so every byte goes through bit-exact. CUDA tensors are copied with
+``non_blocking=True`` into the (page-locked) staging buffer and the snapshot waits once,
+in :attr:`TensorLeaf.snapshot_fence`, for all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from pitstop.core.errors import UnsupportedStateError
+from pitstop.core.tree import ArrayLeaf
+
+log = logging.getLogger("pitstop")
+
+#: torch dtype -> numpy dtype for the dtypes ``Tensor.numpy()`` supports directly
+_DIRECT: dict[torch.dtype, np.dtype] = {
+    torch.float64: np.dtype(np.float64), torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16), torch.complex128: np.dtype(np.complex128),
+    torch.complex64: np.dtype(np.complex64), torch.bool: np.dtype(np.bool_),
+    torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+    torch.uint8: np.dtype(np.uint8),
+}
+for _name, _np in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
+    if hasattr(torch, _name):
+        _DIRECT[getattr(torch, _name)] = np.dtype(_np)
+
+#: torch dtype -> (same-width integer dtype to view through, ml_dtypes dtype)
+_BITS: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {
+    torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+              "float8_e8m0fnu"):
+    if hasattr(torch, _name) and hasattr(ml_dtypes, _name):
+        _BITS[getattr(torch, _name)] = (torch.uint8, np.dtype(getattr(ml_dtypes, _name)))
+
+_NP_INT = {torch.int16: np.dtype(np.int16), torch.uint8: np.dtype(np.uint8)}
+_TORCH_OF_NP: dict[np.dtype, torch.dtype] = {v: k for k, v in _DIRECT.items()}
+_TORCH_OF_NP.update({np_dt: t for t, (_i, np_dt) in _BITS.items()})
+
+
+def numpy_dtype(dtype: torch.dtype, where: str = "") -> np.dtype:
+    """The numpy dtype a tensor of ``dtype`` is saved as; raises for dtypes numpy cannot hold."""
+    if dtype in _DIRECT:
+        return _DIRECT[dtype]
+    if dtype in _BITS:
+        return _BITS[dtype][1]
+    at = f" {where!r}" if where else ""
+    raise UnsupportedStateError(
+        f"tensor{at} has dtype {dtype}, which pitstop cannot save bit-exactly (no numpy or "
+        "ml_dtypes equivalent). Convert it first, e.g. complex32 -> .to(torch.complex64), a "
+        "quantized tensor -> .dequantize() or .int_repr(), a packed float4 -> .view(torch.uint8).")
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """Inverse of :func:`numpy_dtype`."""
+    try:
+        return _TORCH_OF_NP[np.dtype(dtype)]
+    except KeyError:
+        raise UnsupportedStateError(f"numpy dtype {dtype} has no torch equivalent") from None
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy, any strides) of a CPU tensor's storage, with the saved dtype."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    bits = _BITS.get(t.dtype)
+    if bits is not None:
+        return t.view(bits[0]).numpy().view(bits[1])
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (any supported dtype, incl. bfloat16 and float8)."""
+    dt = torch_dtype(a.dtype)
+    bits = _BITS.get(dt)
+    if bits is not None:
+        return torch.from_numpy(a.view(_NP_INT[bits[0]])).view(dt)
+    return torch.from_numpy(a)
+
+
+def to_tensor(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A restored numpy array as a tensor on ``like``'s device (CPU when None)."""
+    # (np.ascontiguousarray would turn a 0-d array into a 1-d one)
+    t = from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
+    if like is not None and like.device.type != "cpu":
+        t = t.to(like.device)
+    return t
+
+
+class TensorLeaf(ArrayLeaf):
+    """A reference to one live tensor (parameter, buffer, optimizer state, plain tensor)."""
+
+    def __init__(self, tensor: torch.Tensor, where: str = "") -> None:
+        if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
+            raise UnsupportedStateError(
+                f"parameter {where!r} of a lazy module is not initialized yet; run one "
+                "forward pass before saving or restoring.")
+        if tensor.layout != torch.strided:
+            raise UnsupportedStateError(
+                f"tensor {where!r} has layout {tensor.layout}; only dense tensors are saved. "
+                "Convert it with .to_dense() and keep the dense copy in the state.")
+        if tensor.is_quantized or tensor.is_nested or tensor.device.type == "meta":
+            kind = ("quantized" if tensor.is_quantized else "nested" if tensor.is_nested
+                    else "on the meta device (it holds no data)")
+            raise UnsupportedStateError(
+                f"tensor {where!r} is {kind}; pitstop saves dense tensors with data. "
+                "Materialize it (e.g. .dequantize(), .to_padded_tensor(0), or run "
+                "reset_parameters()/to_empty() before saving).")
+        if type(tensor).__name__ in ("DTensor", "ShardedTensor"):
+            raise UnsupportedStateError(
+                f"tensor {where!r} is a {type(tensor).__name__}; save its local shard per "
+                "rank (tensor.to_local()) or gather it first (full_tensor()).")
+        #: the live tensor itself (not a detached alias: apply hands this very object back)
+        self.tensor = tensor
+        self.shape = tuple(int(s) for s in tensor.shape)
+        self.dtype = numpy_dtype(tensor.dtype, where)
+        self.snapshot_fence: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ save
+    def snapshot_into(self, out: np.ndarray) -> None:
+        t = self.tensor
+        if t.device.type == "cpu":
+            np.copyto(out, numpy_view(t), casting="no")
+            return
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        # device -> page-locked host, asynchronously; the fence waits once for all of them
+        _ensure_pinned(out)
+        from_numpy(out).copy_(t, non_blocking=True)
+        self.snapshot_fence = _fence_for(t.device)
+
+    # ------------------------------------------------------------------ restore
+    def host_view(self) -> np.ndarray | None:
+        t = self.tensor
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return None
+        view = numpy_view(t)
+        return view if view.flags.c_contiguous and view.flags.writeable else None
+
+    def assign(self, value: np.ndarray) -> None:
+        t = self.tensor
+        try:
+            if t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
+                np.copyto(numpy_view(t), value, casting="no")
+            else:
+                with torch.no_grad():
+                    t.copy_(from_numpy(value if value.flags.c_contiguous else value.copy()))
+        except (RuntimeError, ValueError) as e:
+            raise UnsupportedStateError(
+                f"cannot restore into a tensor of shape {list(t.shape)} (stride "
+                f"{list(t.stride())}): {e}. Restore into a tensor that owns its memory "
+                "(e.g. .clone() an expanded view).") from None
+
+    def __repr__(self) -> str:
+        return f"TensorLeaf({self.tensor.dtype}{list(self.shape)} on {self.tensor.device})"
+
+
+# ---------------------------------------------------------------------- CUDA
+_fences: dict[Any, Callable[[], None]] = {}
+
+
+def _fence_for(device: torch.device) -> Callable[[], None]:
+    """One fence per device and stream, so the engine calls each only once per save."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    fence = _fences.get(key)
+    if fence is None:
+        fence = _fences[key] = stream.synchronize
+    return fence
+
+
+#: id of each staging buffer already seen by pin_staging (registered or not) -> True
+_pinned: dict[int, bool] = {}
+
+
+def pin_staging(buf: np.ndarray) -> None:
+    """Staging hook: page-lock a new staging buffer so device copies into it are async.
+
+    Only when this process actually uses CUDA; unregistered when the buffer is freed.
+    """
+    key = id(buf)
+    if key in _pinned or buf.nbytes == 0:
+        return
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    ptr, size = int(buf.ctypes.data), int(buf.nbytes)
+    rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    ok = _code(rc) == 0
+    if not ok:
+        log.warning("pitstop: could not page-lock a %.1f MiB staging buffer (%s); device "
+                    "snapshots will be synchronous", size / 2**20, rc)
+    _pinned[key] = ok  # remembered either way: never retried per snapshot
+    weakref.finalize(buf, _unpin, key, ptr if ok else None)
+
+
+def _ensure_pinned(out: np.ndarray) -> None:
+    """Pin the staging buffer ``out`` is a view of, if the hook has not (the staging hooks
+    of a manager are fixed when it is built, which may be before torch support loaded)."""
+    root = out
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if id(root) not in _pinned:
+        pin_staging(root)
+
+
+def _unpin(key: int, ptr: int | None) -> None:
+    _pinned.pop(key, None)
+    if ptr is None:
+        return
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown
+        pass
+
+
+def _code(rc: Any) -> int:
+    try:
+        return int(rc)
+    except (TypeError, ValueError):
+        return int(getattr(rc, "value", 1))

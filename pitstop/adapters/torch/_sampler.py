@@ -1,0 +1,231 @@
+"""Data progress that survives a restart: which epoch, how far into its shuffled order.
+
+:class:`ResumableSampler` shuffles like ``DistributedSampler`` (a permutation seeded by
+``seed + epoch``, so the order is a pure function of the two and needs no saved generator)
+and starts each iteration at its saved position.
+
+:class:`ResumableLoader` is a ``DataLoader`` that counts the batches the *training loop*
+took. With ``num_workers > 0`` the workers pull indices from the sampler ahead of the loop
+(``prefetch_factor`` batches per worker), so "how far the sampler was iterated" overstates
+progress; the loader's count is what gets saved. It also fixes a drift of the plain
+``DataLoader``: each ``iter(loader)`` draws the workers' base seed from the *global* torch
+generator, so a resumed run (which creates one more iterator mid-epoch) would see different
+dropout masks from then on. The loader draws that seed from its own generator, re-seeded
+from ``(seed, epoch)`` before each epoch, so worker seeds are the same after a resume and
+the global generator is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+log = logging.getLogger("pitstop")
+
+_MASK = (1 << 63) - 1
+
+
+def _mix(seed: int, epoch: int) -> int:
+    """A 63-bit seed for the loader's base-seed generator, distinct from ``seed + epoch``."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK
+    x ^= x >> 31
+    return (x * 0xD6E8FEB86659FD93) & _MASK
+
+
+class ResumableSampler(Sampler[int]):
+    """A (distributed) shuffling sampler whose ``state_dict`` is ``(seed, epoch, position)``.
+
+    ``position`` is the number of this rank's indices of the current epoch already consumed.
+    Iterating it directly (a ``DataLoader`` with ``num_workers=0``) counts the indices handed
+    out, which is exact there; with worker processes use :class:`ResumableLoader`, which
+    counts the batches the training loop consumed instead.
+
+    The epoch advances by itself when one is used up; ``set_epoch(e)`` (the
+    ``DistributedSampler`` call) is also accepted and keeps the position when ``e`` is the
+    current epoch, so ``for epoch in range(sampler.epoch, n): sampler.set_epoch(epoch)``
+    resumes mid-epoch.
+    """
+
+    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0,
+                 num_replicas: int = 1, rank: int = 0, drop_last: bool = False) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.dataset_len = data_source if isinstance(data_source, int) else len(data_source)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0
+        #: set by ResumableLoader: it, not iteration, advances ``position``
+        self._tracked = False
+
+    @property
+    def num_samples(self) -> int:
+        """Indices per epoch on this rank."""
+        n, r = self.dataset_len, self.num_replicas
+        return n // r if self.drop_last else math.ceil(n / r)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def order(self, epoch: int | None = None) -> list[int]:
+        """This rank's indices of ``epoch`` (default: the current one), in order."""
+        epoch = self.epoch if epoch is None else epoch
+        n = self.dataset_len
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            idx = torch.randperm(n, generator=g).tolist()
+        else:
+            idx = list(range(n))
+        total = self.num_samples * self.num_replicas
+        if total > n:  # pad by repeating, as DistributedSampler does
+            idx += (idx * math.ceil((total - n) / max(n, 1)))[: total - n]
+        else:
+            idx = idx[:total]
+        return idx[self.rank:total:self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        if self.position >= self.num_samples:
+            self._next_epoch()
+        order = self.order()
+        start = self.position
+        if self._tracked:
+            yield from order[start:]
+            return
+        for i in range(start, len(order)):
+            self._consume(1)
+            yield order[i]
+
+    def _consume(self, n: int, drop_tail: int = 0) -> None:
+        """``n`` more indices used; at the end of the epoch (or with fewer than ``drop_tail``
+        left, which a ``drop_last`` batching would drop) move to the next one."""
+        self.position = min(self.position + n, self.num_samples)
+        left = self.num_samples - self.position
+        if left == 0 or left < drop_tail:
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (from its beginning), unless it is the current one."""
+        if epoch != self.epoch:
+            self.epoch = int(epoch)
+            self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "shuffle": self.shuffle, "dataset_len": self.dataset_len,
+                "num_replicas": self.num_replicas, "rank": self.rank,
+                "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["dataset_len"]) != self.dataset_len:
+            raise ValueError(
+                f"the checkpoint's sampler ran over {state['dataset_len']} samples, this dataset "
+                f"has {self.dataset_len}: its saved position would point at other samples. "
+                "Resume with the same dataset, or leave the sampler out of the state (and call "
+                "set_epoch) to start the epoch over.")
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state["shuffle"])
+        self.epoch = int(state["epoch"])
+        position = int(state["position"])
+        old = int(state.get("num_replicas", 1))
+        if old != self.num_replicas:
+            # elastic restart: keep the global count of consumed samples
+            position = position * old // self.num_replicas
+            log.warning("pitstop: sampler saved with %d replicas, resumed with %d: continuing "
+                        "after about %d samples of epoch %d", old, self.num_replicas,
+                        position * self.num_replicas, self.epoch)
+        self.position = min(position, self.num_samples)
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` whose ``state_dict`` is exactly where the training loop is.
+
+    Same arguments as ``DataLoader`` plus ``seed`` (shuffle order and worker seeds). Put it
+    in the checkpointed state; after ``restore`` the next ``iter(loader)`` yields the batch
+    that would have come next, also with ``num_workers > 0``. Iterating again after breaking
+    out of a loop also continues where the loop stopped.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False, *,
+                 seed: int = 0, sampler: ResumableSampler | None = None,
+                 drop_last: bool = False, generator: torch.Generator | None = None,
+                 **kwargs: Any) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError("ResumableLoader needs a map-style dataset (with __getitem__ and "
+                            "__len__); an IterableDataset must track its own position")
+        if kwargs.get("batch_sampler") is not None:
+            raise TypeError("ResumableLoader counts batches of batch_size samples; pass "
+                            "batch_size (and a ResumableSampler as sampler) instead of "
+                            "batch_sampler")
+        if sampler is None:
+            sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed)
+        elif not isinstance(sampler, ResumableSampler):
+            raise TypeError(f"sampler must be a ResumableSampler, got {type(sampler).__name__}")
+        elif shuffle:
+            raise ValueError("pass shuffle to the ResumableSampler, not to the loader")
+        sampler._tracked = True
+        # dedicated generator for the workers' base seed (see the module docstring)
+        self.seed_generator = generator if generator is not None else torch.Generator()
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                         generator=self.seed_generator, **kwargs)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self.sampler.epoch  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def position(self) -> int:
+        """Samples of this epoch the training loop has consumed."""
+        return self.sampler.position  # type: ignore[attr-defined,no-any-return]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> _TrackedIter:  # type: ignore[override]
+        s: ResumableSampler = self.sampler  # type: ignore[assignment]
+        if s.position >= s.num_samples:
+            s._next_epoch()
+        # worker seeds depend on (seed, epoch) only; persistent workers are seeded once
+        self.seed_generator.manual_seed(_mix(s.seed, 0 if self.persistent_workers else s.epoch))
+        return _TrackedIter(self, super().__iter__())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()  # type: ignore[attr-defined,no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+class _TrackedIter:
+    """The DataLoader iterator, counting what it hands to the training loop."""
+
+    def __init__(self, loader: ResumableLoader, it: Iterator[Any]) -> None:
+        self.loader = loader
+        self.it = it
+        self.sampler: ResumableSampler = loader.sampler  # type: ignore[assignment]
+        self.per_batch = loader.batch_size or 1
+        self.drop_tail = self.per_batch if loader.drop_last else 0
+
+    def __iter__(self) -> _TrackedIter:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.it)
+        self.sampler._consume(self.per_batch, self.drop_tail)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.it)  # type: ignore[arg-type]

@@ -1,0 +1,407 @@
+"""Migration into and out of pitstop for PyTorch users.
+
+``import_torch_save`` and ``import_dcp`` turn a ``torch.save`` file or a
+``torch.distributed.checkpoint`` (DCP) directory into one committed pitstop checkpoint;
+``export_torch_save`` and ``export_safetensors`` write a pitstop checkpoint back out.
+
+These are explicit, one-off migration helpers. The two imports are the only places where
+pitstop reads a pickle-based format (see each function for what it unpickles and why);
+pitstop's own load path never unpickles anything.
+
+Tensors become numpy arrays bit for bit: bfloat16 and float8 go through an integer view
+into their ml_dtypes counterparts; views and non-contiguous tensors are saved as they
+read. Values (epoch, optimizer hyper-parameters, ...) stay Python values. Anything else
+raises :class:`pitstop.UnsupportedStateError` naming its key path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle  # only for the exception type weights_only raises
+import tempfile
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...core.dtypes import ML_DTYPES
+from ...core.errors import CheckpointNotFoundError, UnsupportedStateError
+from ...core.manager import CheckpointManager
+from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, split
+
+__all__ = ["import_torch_save", "import_dcp", "export_torch_save", "export_safetensors"]
+
+PathLike = str | os.PathLike[str]
+
+# ----------------------------------------------------------------------------- dtypes
+#: torch dtypes numpy has no type for: the same-width int to view the bits through, and
+#: the ml_dtypes type that holds them (looked up by name, so missing ones drop out)
+_BIT_VIEWS: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {}
+for _name, _int in [("bfloat16", torch.int16), ("float8_e4m3fn", torch.uint8),
+                    ("float8_e5m2", torch.uint8), ("float8_e4m3fnuz", torch.uint8),
+                    ("float8_e5m2fnuz", torch.uint8), ("float8_e8m0fnu", torch.uint8)]:
+    _tdt = getattr(torch, _name, None)
+    if _tdt is not None and _name in ML_DTYPES:
+        _BIT_VIEWS[_tdt] = (_int, ML_DTYPES[_name])
+_BY_NUMPY: dict[np.dtype, torch.dtype] = {np_dt: t for t, (_i, np_dt) in _BIT_VIEWS.items()}
+
+#: dtypes every safetensors release since 0.4 stores (the running one may add more)
+_SAFETENSORS_BASE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                     torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _tensor_to_numpy(t: torch.Tensor, path: str) -> np.ndarray:
+    """A numpy array with the same bits (a view where possible; CPU only)."""
+    where = path or "<root>"
+    if t.layout is not torch.strided:
+        raise UnsupportedStateError(
+            f"state entry {where!r}: {t.layout} tensors cannot be imported; convert to a dense "
+            "tensor (.to_dense()) first")
+    if t.is_quantized or t.is_nested or t.is_meta:
+        raise UnsupportedStateError(
+            f"state entry {where!r}: quantized, nested and meta tensors cannot be imported")
+    t = t.detach()
+    if type(t) is not torch.Tensor:  # nn.Parameter and other subclasses: the plain data
+        t = t.as_subclass(torch.Tensor)
+    t = t.cpu().resolve_conj().resolve_neg()
+    view = _BIT_VIEWS.get(t.dtype)
+    try:
+        if view is not None:
+            int_dt, np_dt = view
+            return t.view(int_dt).numpy().view(np_dt)
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise UnsupportedStateError(
+            f"state entry {where!r}: tensors of dtype {t.dtype} have no numpy equivalent "
+            f"pitstop can store ({e})") from None
+
+
+def _numpy_to_tensor(a: np.ndarray, path: str) -> torch.Tensor:
+    """A torch tensor with the same bits (shares memory with a C-contiguous copy of ``a``)."""
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = a.copy(order="C")  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+    tdt = _BY_NUMPY.get(a.dtype)
+    try:
+        if tdt is not None:
+            int_dt = _BIT_VIEWS[tdt][0]
+            ints = a.view(np.int16 if int_dt == torch.int16 else np.uint8)
+            return torch.from_numpy(ints).view(tdt)
+        return torch.from_numpy(a)
+    except TypeError:
+        raise UnsupportedStateError(
+            f"state entry {path or '<root>'!r}: numpy dtype {a.dtype} has no torch "
+            "equivalent; it cannot be exported to a torch format") from None
+
+
+# ----------------------------------------------------------------------------- trees
+def _check_key(k: Any, path: str) -> None:
+    if not isinstance(k, (str, int)) or isinstance(k, bool):
+        raise UnsupportedStateError(
+            f"state entry {path or '<root>'!r}: key {k!r} of type {type(k).__name__} cannot "
+            "be saved next to tensors; use str or int keys")
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _torch_to_numpy_tree(obj: Any, path: str = "") -> Any:
+    """Tensors -> numpy arrays; value subtrees checked to be savable (errors name the key)."""
+    if isinstance(obj, torch.Tensor):
+        return _tensor_to_numpy(obj, path)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise UnsupportedStateError(
+                f"state entry {path or '<root>'!r}: numpy arrays of Python objects cannot be "
+                "saved without pickle")
+        return obj
+    if isinstance(obj, np.generic):
+        return obj
+    if not _has_tensor(obj):
+        if not isinstance(obj, SCALAR_TYPES):
+            encode_value(obj, path)  # raises UnsupportedStateError naming the key
+        return obj
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            _check_key(k, path)
+            out[k] = _torch_to_numpy_tree(v, join(path, k))
+        return out
+    if isinstance(obj, tuple) and type(obj) is not tuple:  # namedtuple, torch.Size, ...
+        obj = tuple(obj)
+    items = [_torch_to_numpy_tree(v, join(path, i)) for i, v in enumerate(obj)]
+    return tuple(items) if isinstance(obj, tuple) else items
+
+
+def _numpy_to_torch_tree(obj: Any, path: str = "") -> Any:
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return _numpy_to_tensor(np.asarray(obj), path)
+    if isinstance(obj, Mapping):
+        return {k: _numpy_to_torch_tree(v, join(path, k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_numpy_to_torch_tree(v, join(path, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_numpy_to_torch_tree(v, join(path, i)) for i, v in enumerate(obj))
+    return obj
+
+
+def _select(obj: Any, key: str | None, source: str) -> Any:
+    """The subtree at ``key`` (a pitstop key path: ``"model"`` or ``"state/model"``)."""
+    if key is None:
+        return obj
+    node = obj
+    for comp in split(key):
+        if isinstance(node, Mapping):
+            if comp in node:
+                node = node[comp]
+                continue
+            if comp.lstrip("-").isdigit() and int(comp) in node:
+                node = node[int(comp)]
+                continue
+        elif isinstance(node, (list, tuple)) and comp.isdigit() and int(comp) < len(node):
+            node = node[int(comp)]
+            continue
+        have = sorted(map(str, node)) if isinstance(node, Mapping) else type(node).__name__
+        raise KeyError(f"{source}: no entry {key!r} (at {comp!r}; found: {have})")
+    return node
+
+
+# ----------------------------------------------------------------------------- pitstop side
+def _write(state: Any, directory: PathLike, step: int,
+           metrics: Mapping[str, Any] | None) -> int:
+    """Save ``state`` (numpy + values) as committed step ``step``; returns the step."""
+    with CheckpointManager(directory, async_save=False, save_on_signals=None,
+                           memory_tier=False) as mgr:
+        mgr.save(step, state, metrics).wait()
+    return step
+
+
+def _read(directory: PathLike, step: int | None, key: str | None) -> tuple[int, Any]:
+    mgr = CheckpointManager(directory, read_only=True, save_on_signals=None)
+    try:
+        if step is None:
+            step = mgr.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no checkpoint in {mgr.directory}")
+        tree = mgr.load(step)
+    finally:
+        mgr.close()
+    return step, _select(tree, key, f"step {step} in {directory}")
+
+
+def _atomic_write(path: PathLike, write: Any) -> None:
+    """Write through a temporary file in the same folder, then rename into place."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pitstop-export-")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ----------------------------------------------------------------------------- imports
+def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: str | None = None,
+                      metrics: Mapping[str, Any] | None = None) -> int:
+    """Import a ``torch.save`` file as committed pitstop checkpoint ``step`` in ``directory``.
+
+    The file may hold a state dict, a nested dict of them (``{"model": ..., "optimizer":
+    ..., "epoch": 3}``), or any tree of tensors and plain values; ``key`` picks one entry
+    (a pitstop key path such as ``"state_dict"``). Returns ``step``. Raises
+    :class:`pitstop.UnsupportedStateError` naming the key of anything it cannot convert,
+    and :class:`pitstop.StepExistsError` if ``step`` is already committed there.
+    """
+    # weights_only=True: torch's restricted unpickler, which only rebuilds tensors and plain
+    # containers/values and refuses any other global, so a hostile file cannot run code.
+    # This explicit import helper is the only place pitstop unpickles a torch file.
+    try:
+        obj = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:  # what weights_only raises for a refused object
+        raise UnsupportedStateError(
+            f"{os.fspath(path)}: torch.load(weights_only=True) refused this file: it holds "
+            f"objects beyond tensors and plain values. {str(e).splitlines()[0]}") from e
+    state = _torch_to_numpy_tree(_select(obj, key, os.fspath(path)))
+    return _write(state, directory, step, metrics)
+
+
+def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
+    """The whole DCP checkpoint as a nested dict of CPU tensors and values (public DCP API;
+    imported here so that a torch built without torch.distributed still imports this module)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import (
+        BytesStorageMetadata,
+        DefaultLoadPlanner,
+        FileSystemReader,
+        TensorStorageMetadata,
+    )
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        """DCP's default planner, but non-tensor entries load with weights_only=True."""
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:
+                raise UnsupportedStateError(
+                    f"DCP entry {fqn!r}: torch.load(weights_only=True) refused it: "
+                    f"{str(e).splitlines()[0]}") from e
+            if self.flatten_state_dict:
+                _set_path(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    reader = FileSystemReader(os.fspath(dcp_dir))
+    # DCP's .metadata file is a plain pickle (pickle.load: it can run code). See
+    # import_dcp: acceptable only for trusted directories, in this explicit helper.
+    metadata = reader.read_metadata()
+    planner_data = metadata.planner_data or {}
+    target: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        where = tuple(planner_data.get(fqn, (fqn,)))
+        if isinstance(md, TensorStorageMetadata):
+            _set_path(target, where, torch.empty(md.size, dtype=md.properties.dtype))
+        elif isinstance(md, BytesStorageMetadata):
+            _set_path(target, where, None)  # filled by load_bytes
+        else:
+            raise UnsupportedStateError(f"DCP entry {fqn!r}: unknown kind {type(md).__name__}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # no_dist=True: read every shard in this one process, no process group needed
+        dcp.load(target, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
+                 no_dist=True)
+    return target
+
+
+def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Set ``root[p0][p1]...`` = value, creating dicts (str keys) and lists (int keys)."""
+    node = root
+    for k, nxt in zip(path[:-1], path[1:], strict=True):
+        fresh: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (k + 1 - len(node)))
+            if node[k] is None:
+                node[k] = fresh
+        else:
+            node.setdefault(k, fresh)
+        node = node[k]
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | None = None,
+               metrics: Mapping[str, Any] | None = None) -> int:
+    """Import a ``torch.distributed.checkpoint`` directory as pitstop checkpoint ``step``.
+
+    Runs in one process without a process group: every rank's shards are read and each
+    tensor is assembled whole (``dcp.load(..., no_dist=True)``). DCP stores dict keys as
+    strings; the int keys of an optimizer state dict's ``state`` are given back (torch needs
+    them to match ``param_groups``), other dicts keep DCP's string keys. Empty dicts are not
+    stored by DCP and do not come back. ``key`` picks one entry.
+
+    Trust: DCP's ``.metadata`` file is a plain pickle, and reading it can execute code.
+    Import only DCP directories you trust (ones your own jobs wrote). That is acceptable
+    here because this is an explicit, one-off migration helper; pitstop's own load path
+    never unpickles. Non-tensor entries are loaded with ``torch.load(weights_only=True)``
+    (DCP itself uses ``weights_only=False``).
+    """
+    tree = _int_optimizer_keys(_load_dcp(dcp_dir))
+    state = _torch_to_numpy_tree(_select(tree, key, os.fspath(dcp_dir)))
+    return _write(state, directory, step, metrics)
+
+
+def _int_optimizer_keys(obj: Any) -> Any:
+    """Give optimizer state dicts their int keys back (in place; DCP stored them as str).
+
+    ``torch.optim.Optimizer.load_state_dict`` matches ``state`` entries to the ints in
+    ``param_groups[i]["params"]``; with ``"0"`` it would silently drop the moments. Only a
+    dict shaped like an optimizer state dict whose ``state`` keys are exactly such ids as
+    digit strings is changed (FQN-keyed state from ``get_state_dict`` is left alone).
+    """
+    if isinstance(obj, dict):
+        state, groups = obj.get("state"), obj.get("param_groups")
+        if isinstance(state, dict) and isinstance(groups, list) and all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+            ids = {p for g in groups for p in g["params"]}
+            if (state and all(isinstance(p, int) for p in ids)
+                    and all(isinstance(k, str) and k.isdigit() and int(k) in ids for k in state)):
+                obj["state"] = {int(k): v for k, v in state.items()}
+        for v in obj.values():
+            _int_optimizer_keys(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _int_optimizer_keys(v)
+    return obj
+
+
+# ----------------------------------------------------------------------------- exports
+def export_torch_save(directory: PathLike, path: PathLike, *, step: int | None = None,
+                      key: str | None = None) -> int:
+    """Write checkpoint ``step`` (default: the newest) as a ``torch.save`` file.
+
+    The file holds the same nested dict with tensors in place of arrays (bfloat16/float8
+    kept bit for bit) and plain values, so ``torch.load(path, weights_only=True)`` reads
+    it. ``key`` exports one entry, e.g. ``"model"`` for ``model.load_state_dict``. Arrays
+    torch cannot hold (strings, structured dtypes) raise :class:`pitstop.UnsupportedStateError`.
+    Returns the exported step.
+    """
+    step, tree = _read(directory, step, key)
+    obj = _numpy_to_torch_tree(tree)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: torch's writer rejects a dotted temp name
+            torch.save(obj, f)
+
+    _atomic_write(path, write)
+    return step
+
+
+def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None = None,
+                       key: str | None = None) -> int:
+    """Write the arrays of checkpoint ``step`` (default: the newest) as a .safetensors file.
+
+    Tensor names are pitstop key paths: components joined with ``/``, so a torch name such
+    as ``layer.weight`` stays intact (``model/layer.weight``, ``optimizer/state/0/exp_avg``);
+    a ``/`` or ``~`` inside a component is written ``~1`` / ``~0``. With ``key="model"`` the
+    names are the model's own (``layer.weight``), ready for ``model.load_state_dict``.
+    Values go into the string metadata: ``"pitstop"`` holds JSON ``{"format_version": 1,
+    "step": ..., "values": {key path: value}}`` (values in pitstop's manifest encoding), and
+    ``"format"`` is ``"pt"`` as Hugging Face loaders expect. Dtypes safetensors cannot hold
+    raise :class:`pitstop.UnsupportedStateError`. Returns the exported step.
+    """
+    import safetensors.torch as st
+
+    step, tree = _read(directory, step, key)
+    flat = flatten(tree)
+    supported = _SAFETENSORS_BASE | set(getattr(st, "_TYPES", {}).values())
+    tensors: dict[str, torch.Tensor] = {}
+    for name, leaf in flat.arrays.items():
+        t = _numpy_to_tensor(leaf.array, name)  # type: ignore[attr-defined]
+        if t.dtype not in supported:
+            raise UnsupportedStateError(
+                f"state entry {name!r}: safetensors cannot store dtype {t.dtype}; export it "
+                "with export_torch_save, or convert it first")
+        tensors[name] = t
+    values = {k: encode_value(v, k) for k, v in flat.values.items()}
+    meta = {"format": "pt", "pitstop": json.dumps(
+        {"format_version": 1, "step": step, "values": values}, allow_nan=False)}
+    _atomic_write(path, lambda tmp: st.save_file(tensors, tmp, metadata=meta))
+    return step

@@ -1,0 +1,7 @@
+"""``python -m pitstop.cli``: the same as the ``pitstop`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

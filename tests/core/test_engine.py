@@ -1,0 +1,504 @@
+"""The asynchronous engine: snapshot vs commit, staging buffers, backpressure, failures, stats.
+
+Every test holds the background persist with the ``before_write`` test hook where it needs to
+observe an intermediate state, so nothing here depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import pitstop
+from pitstop.core.manager import step_name
+
+PY = sys.executable
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_state(seed: float = 0.0) -> dict:
+    return {
+        "model": {"w": np.arange(50_000, dtype=np.float32) + seed,
+                  "b": np.full((7, 3), seed, dtype=np.float64)},
+        "opt": [np.arange(1000, dtype=np.int64) * int(seed + 1), np.float32(seed)],
+        "progress": {"epoch": int(seed), "history": [seed, seed * 2]},
+    }
+
+
+class Gate:
+    """A before_write hook that holds the persist of chosen steps until released."""
+
+    def __init__(self, steps: set[int] | None = None) -> None:
+        self.steps = steps
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.seen: list[int] = []
+
+    def __call__(self, step: int) -> None:
+        self.seen.append(step)
+        if self.steps is None or step in self.steps:
+            self.entered.set()
+            assert self.release.wait(60), "test forgot to release the gate"
+
+
+@pytest.fixture
+def managers(tmp_path):
+    """Create managers (memory tier off unless asked) and always close them."""
+    made: list[tuple[pitstop.CheckpointManager, list[Gate]]] = []
+
+    def make(directory=None, gates=(), **kw) -> pitstop.CheckpointManager:
+        kw.setdefault("memory_tier", False)
+        kw.setdefault("save_on_signals", None)
+        m = pitstop.CheckpointManager(directory or tmp_path / "ckpt", **kw)
+        made.append((m, list(gates)))
+        return m
+
+    yield make
+    for m, gates in made:
+        for g in gates:
+            g.release.set()
+        try:
+            m.close()
+        except pitstop.CheckpointError:
+            pass
+
+
+def assert_tree_equal(got, want) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want)
+        for k in want:
+            assert_tree_equal(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_tree_equal(g, w)
+    elif isinstance(want, (np.ndarray, np.generic)):
+        got = np.asarray(got)
+        assert got.dtype == np.asarray(want).dtype and got.shape == np.shape(want)
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert got == want
+
+
+def leftovers(directory) -> list[str]:
+    return [e for e in os.listdir(directory) if e.startswith(".tmp-")]
+
+
+# ------------------------------------------------------------------ snapshot vs commit
+def test_save_returns_after_snapshot_and_commits_in_background(managers, tmp_path):
+    gate = Gate()
+    mgr = managers(gates=[gate])
+    mgr.hooks["before_write"] = gate
+    state = make_state(1.0)
+    expected = make_state(1.0)
+
+    handle = mgr.save(1, state, metrics={"loss": 0.5})
+
+    assert gate.entered.wait(30)
+    # snapshot taken, not committed: nothing visible on disk yet
+    assert handle.snapshot_taken
+    assert not handle.committed
+    assert not handle.done()
+    assert handle.wait(timeout=0) is False
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0)
+    assert mgr.latest_step() is None
+    assert mgr.all_steps() == []
+
+    # the caller mutates everything at once: arrays in place, values, containers
+    state["model"]["w"] += 1000
+    state["model"]["b"][:] = -1
+    state["opt"][0] *= 0
+    state["progress"]["epoch"] = 99
+    state["progress"]["history"].append(123.0)
+
+    gate.release.set()
+    stats = handle.result(timeout=60)
+    assert handle.done() and handle.committed and handle.wait() is True
+    assert stats.committed and stats.step == 1
+    assert mgr.latest_step() == 1
+    assert_tree_equal(mgr.load(1), expected)
+
+    # and restore puts the snapshot-time values back into the live (mutated) objects
+    assert mgr.restore(state) == 1
+    assert_tree_equal(state["model"], expected["model"])
+    assert state["progress"] == expected["progress"]
+
+
+def test_sync_save_is_committed_on_return(managers):
+    mgr = managers(async_save=False)
+    state = make_state(2.0)
+    handle = mgr.save(5, state)
+    assert handle.done() and handle.committed
+    assert mgr.latest_step() == 5
+    state["model"]["w"][:] = 0
+    assert_tree_equal(mgr.load(5), make_state(2.0))
+
+
+def test_wait_and_close_wait_for_pending_commits(managers, tmp_path):
+    gate = Gate()
+    mgr = managers(gates=[gate])
+    mgr.hooks["before_write"] = gate
+    h = mgr.save(3, make_state(3.0))
+    assert gate.entered.wait(30)
+    threading.Timer(0.2, gate.release.set).start()
+    mgr.close()  # must not return before the commit
+    assert h.committed
+    ro = pitstop.CheckpointManager(tmp_path / "ckpt", read_only=True)
+    assert ro.all_steps() == [3]
+
+
+def test_save_after_close_raises(managers):
+    mgr = managers()
+    mgr.close()
+    with pytest.raises(pitstop.CheckpointError):
+        mgr.save(1, make_state())
+
+
+# ------------------------------------------------------------------ staging buffers
+def test_staging_buffer_is_reused_while_layout_stays(managers):
+    mgr = managers()
+    state = make_state(0.0)
+    mgr.save(0, state).wait()
+    assert len(mgr.pool.buffers) == 1
+    first = mgr.pool.buffers[0]
+    first_mem = first.buf
+    for s in range(1, 6):
+        state["model"]["w"] += 1  # values change, layout does not
+        mgr.save(s, state).wait()
+        assert mgr.pool.buffers == [first]
+        assert first.buf is first_mem  # no re-allocation of the bytes either
+    # a layout change (new shape) replaces the buffer; the pool never grows past capacity
+    state["model"]["w"] = np.zeros(10, np.float32)
+    mgr.save(6, state).wait()
+    assert len(mgr.pool.buffers) == 1 and mgr.pool.buffers[0] is not first
+    second = mgr.pool.buffers[0]
+    mgr.save(7, state).wait()
+    assert mgr.pool.buffers == [second]
+    assert mgr.load(7)["model"]["w"].shape == (10,)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
+def test_staging_buffers_never_exceed_max_in_flight(managers, max_in_flight):
+    gate = Gate()
+    mgr = managers(gates=[gate], max_in_flight=max_in_flight, on_busy="skip",
+                   save_every_steps=1)
+    mgr.hooks["before_write"] = gate
+    state = make_state()
+    handles = []
+    for s in range(20):
+        state["model"]["w"] += 1
+        h = mgr.step(s, state)
+        if h is not None:
+            handles.append(h)
+        assert len(mgr.pool.buffers) <= max_in_flight
+    # the persist thread holds one job at the gate; the others wait in the queue, each
+    # holding a buffer: exactly max_in_flight snapshots were accepted
+    assert len(handles) == max_in_flight
+    assert mgr._engine.in_flight() == max_in_flight
+    gate.release.set()
+    mgr.wait()
+    assert mgr.all_steps() == [h.step for h in handles]
+    assert len(mgr.pool.buffers) <= max_in_flight
+
+
+# ------------------------------------------------------------------ backpressure
+def test_periodic_save_while_persisting_is_skipped(managers):
+    gate = Gate()
+    mgr = managers(gates=[gate], save_every_steps=2, on_busy="skip")
+    mgr.hooks["before_write"] = gate
+    state = make_state()
+    h0 = mgr.step(0, state)
+    assert h0 is not None
+    assert gate.entered.wait(30)
+    assert mgr.step(1, state) is None  # policy: not a save step
+    assert mgr.step(2, state) is None  # a save step, but the previous one persists: skipped
+    assert mgr.step(3, state) is None
+    gate.release.set()
+    h0.wait()
+    h4 = mgr.step(4, state)
+    assert h4 is not None  # the engine is free again right after wait()
+    h4.wait()
+    assert mgr.all_steps() == [0, 4]  # nothing was saved for step 2
+
+
+def test_engine_is_free_as_soon_as_wait_returns(managers, caplog):
+    # after wait() the next periodic save must never be skipped as "busy"
+    caplog.set_level(logging.INFO, logger="pitstop")
+    mgr = managers(save_every_steps=1, on_busy="skip")
+    state = {"w": np.zeros(16, np.float32)}
+    for s in range(0, 60, 2):
+        mgr.save(s, state).wait()
+        h = mgr.step(s + 1, state)
+        assert h is not None, f"step {s + 1} skipped right after wait() of step {s}"
+        h.wait()
+
+
+def test_periodic_save_waits_with_on_busy_wait(managers):
+    gate = Gate({0})
+    mgr = managers(gates=[gate], save_every_steps=2, on_busy="wait")
+    mgr.hooks["before_write"] = gate
+    state = make_state()
+    mgr.step(0, state)
+    assert gate.entered.wait(30)
+    done = threading.Event()
+    result = {}
+
+    def train():
+        result["h"] = mgr.step(2, state)
+        done.set()
+
+    t = threading.Thread(target=train)
+    t.start()
+    assert not done.wait(0.3)  # blocked behind the persist of step 0
+    gate.release.set()
+    t.join(60)
+    assert result["h"] is not None
+    result["h"].wait()
+    assert mgr.all_steps() == [0, 2]
+
+
+def test_explicit_save_always_waits_for_a_buffer(managers):
+    gate = Gate({0})
+    mgr = managers(gates=[gate], on_busy="skip")
+    mgr.hooks["before_write"] = gate
+    state = make_state(0.0)
+    mgr.save(0, state)
+    assert gate.entered.wait(30)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("h", mgr.save(1, make_state(1.0))))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # waiting for the only staging buffer, not skipped
+    gate.release.set()
+    t.join(60)
+    out["h"].wait()
+    assert mgr.all_steps() == [0, 1]
+    assert_tree_equal(mgr.load(1), make_state(1.0))
+
+
+# ------------------------------------------------------------------ failures
+def test_background_failure_is_logged_and_raised_on_next_call(managers, tmp_path, caplog):
+    mgr = managers()
+    state = make_state(1.0)
+    mgr.save(1, state).wait()
+
+    def boom(step):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+
+    mgr.hooks["before_write"] = boom
+    caplog.set_level(logging.ERROR, logger="pitstop")
+    h = mgr.save(2, make_state(2.0))
+    with pytest.raises(pitstop.CheckpointWriteError) as ei:
+        h.wait(60)
+    # logged at once, by the background thread, before anyone asked
+    assert any("step 2" in r.getMessage() and "No space left" in r.getMessage()
+               for r in caplog.records)
+    err = ei.value
+    assert err.step == 2 and err.path and step_name(2) in err.path
+    assert "No space left" in str(err) and str(tmp_path) in str(err)
+    assert isinstance(err.__cause__, OSError)
+    # ...and raised (once) on the next manager call
+    with pytest.raises(pitstop.CheckpointWriteError, match="step 2"):
+        mgr.save(3, state)
+    mgr.hooks.clear()
+    mgr.save(3, state).wait()
+    assert mgr.all_steps() == [1, 3]
+    assert not leftovers(tmp_path / "ckpt")
+    assert_tree_equal(mgr.load(1), make_state(1.0))
+
+
+@pytest.mark.parametrize("call", ["step", "wait", "close"])
+def test_background_failure_raised_by_step_wait_and_close(managers, call):
+    mgr = managers(save_every_steps=1)
+
+    def boom(step):
+        raise RuntimeError("disk on fire")
+
+    mgr.hooks["before_write"] = boom
+    h = mgr.save(7, make_state())
+    with pytest.raises(pitstop.CheckpointWriteError):
+        h.wait(60)
+    with pytest.raises(pitstop.CheckpointWriteError, match="step 7.*disk on fire"):
+        if call == "step":
+            mgr.step(8, make_state())
+        elif call == "wait":
+            mgr.wait()
+        else:
+            mgr.close()
+
+
+def test_sync_save_failure_raises_once(managers):
+    mgr = managers(async_save=False)
+    mgr.hooks["before_write"] = lambda step: (_ for _ in ()).throw(OSError(5, "I/O error"))
+    with pytest.raises(pitstop.CheckpointWriteError, match="I/O error"):
+        mgr.save(1, make_state())
+    mgr.hooks.clear()
+    # the error was reported by the call that failed; the next save is not blamed for it
+    assert mgr.save(2, make_state()).committed
+
+
+_EFBIG_CHILD = textwrap.dedent("""
+    import json, logging, os, resource, signal, sys
+    import numpy as np
+    import pitstop
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    d = sys.argv[1]
+    out = {}
+    mgr = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
+    small = {"w": np.arange(1000, dtype=np.float64)}
+    mgr.save(1, small).wait()
+    # from now on no file may grow past 256 KiB: the big save fails with EFBIG, for real
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+    big = {"w": np.ones(1 << 20, dtype=np.float64)}   # 8 MiB
+    h = mgr.save(2, big)
+    try:
+        h.wait()
+        out["handle"] = "committed"
+    except pitstop.CheckpointWriteError as e:
+        out["handle"] = "error"
+    for call in ("save", "close"):
+        try:
+            if call == "save":
+                mgr.save(3, small)
+            else:
+                mgr.close()
+            out[call] = None
+        except pitstop.CheckpointWriteError as e:
+            out[call] = {"step": e.step, "path": e.path, "msg": str(e),
+                         "cause": repr(e.__cause__)}
+    print(json.dumps(out))
+""")
+
+
+def test_real_write_failure_efbig_is_reported_and_committed_data_survives(tmp_path):
+    d = tmp_path / "ckpt"
+    r = subprocess.run([PY, "-c", _EFBIG_CHILD, str(d)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["handle"] == "error"
+    err = out["save"]
+    assert err is not None, "the failure of step 2 was lost"
+    assert err["step"] == 2 and step_name(2) in err["path"]
+    assert "File too large" in err["msg"] or "EFBIG" in err["cause"] or "27" in err["cause"]
+    # logged at once by the background thread
+    assert "step 2" in r.stderr and "File too large" in r.stderr
+    # the save of step 3 was refused (it raised), close had nothing left to report
+    assert out["close"] is None
+    # committed checkpoints intact and restorable, no temporary leftovers
+    assert not leftovers(d)
+    mgr = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
+    try:
+        assert mgr.all_steps() == [1]
+        target = {"w": np.zeros(1000, np.float64)}
+        assert mgr.restore(target) == 1
+        np.testing.assert_array_equal(target["w"], np.arange(1000, dtype=np.float64))
+    finally:
+        mgr.close()
+
+
+def _can_mount_tmpfs(path) -> bool:
+    if os.geteuid() != 0:
+        return False
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_full_disk_on_tmpfs(tmp_path, caplog):
+    mnt = tmp_path / "small"
+    if not _can_mount_tmpfs(mnt):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        caplog.set_level(logging.ERROR, logger="pitstop")
+        mgr = pitstop.CheckpointManager(mnt / "ckpt", memory_tier=False, save_on_signals=None)
+        small = {"w": np.arange(1000, dtype=np.float64)}
+        mgr.save(1, small).wait()
+        h = mgr.save(2, {"w": np.ones(1 << 20, dtype=np.float64)})  # 8 MiB > 2 MiB
+        with pytest.raises(pitstop.CheckpointWriteError, match="No space left"):
+            h.wait(60)
+        assert any("No space left" in r.getMessage() for r in caplog.records)
+        with pytest.raises(pitstop.CheckpointWriteError, match="step 2"):
+            mgr.wait()
+        assert not leftovers(mnt / "ckpt")
+        mgr.save(3, small).wait()  # space is free again: saving works
+        mgr.close()
+        ro = pitstop.CheckpointManager(mnt / "ckpt", read_only=True)
+        assert ro.all_steps() == [1, 3]
+        np.testing.assert_array_equal(ro.load(1)["w"], small["w"])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# ------------------------------------------------------------------ stats
+def test_every_save_reports_stats_callback_and_log(managers, caplog):
+    seen = []
+    caplog.set_level(logging.INFO, logger="pitstop")
+    mgr = managers(on_save=seen.append, save_every_steps=2)
+    state = make_state()
+    nbytes = sum(a.nbytes for a in (state["model"]["w"], state["model"]["b"], state["opt"][0]))
+    handles = [mgr.save(1, state)]
+    handles[0].wait()
+    for s in range(2, 7):
+        h = mgr.step(s, state)
+        if h is not None:
+            h.wait()
+            handles.append(h)
+    assert [h.step for h in handles] == [1, 2, 4, 6]
+    assert [s.step for s in mgr.stats] == [1, 2, 4, 6]
+    assert [s.step for s in seen] == [1, 2, 4, 6]
+    for h, cb in zip(handles, seen, strict=True):
+        st = h.result()
+        assert cb is st  # the callback receives the save's own figures
+        assert st.committed
+        assert st.stall_s > 0 and st.persist_s > 0 and st.total_s >= st.persist_s
+        assert st.bytes >= nbytes
+        assert st.throughput == pytest.approx(st.bytes / st.persist_s)
+    lines = [r.getMessage() for r in caplog.records if "committed step" in r.getMessage()]
+    assert len(lines) == 4
+    assert "committed step 6" in lines[-1] and "stall" in lines[-1] and "persist" in lines[-1]
+
+
+# ------------------------------------------------------------------ exceptions
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_exception_in_with_block_commits_last_snapshot_first(tmp_path, exc):
+    gate = Gate({5})
+    mgr = pitstop.CheckpointManager(tmp_path / "ckpt", memory_tier=False, save_on_signals=None,
+                                    save_every_steps=5)
+    mgr.hooks["before_write"] = gate
+    state = make_state(0.0)
+    handle = None
+    with pytest.raises(exc):
+        with mgr:
+            for step in range(0, 100):
+                state["model"]["w"] += 1
+                h = mgr.step(step, state)
+                if step == 0:
+                    h.wait()
+                if step == 5:
+                    handle = h
+                    assert gate.entered.wait(30)
+                    # release only well after the exception started propagating
+                    threading.Timer(0.3, gate.release.set).start()
+                if step == 7:
+                    raise exc("training blew up")
+    # by the time the exception reaches the caller, step 5 is committed
+    assert handle is not None and handle.done() and handle.committed
+    ro = pitstop.CheckpointManager(tmp_path / "ckpt", read_only=True)
+    assert ro.all_steps() == [0, 5]
+    np.testing.assert_array_equal(ro.load(5)["model"]["w"], make_state(6.0)["model"]["w"])
+    # the manager was closed: the directory is free for the restart
+    again = pitstop.CheckpointManager(tmp_path / "ckpt", memory_tier=False, save_on_signals=None)
+    again.close()

@@ -1,0 +1,285 @@
+"""Signals: SIGTERM / SIGINT / SIGUSR1 ask for a save at the next step boundary.
+
+Each test runs a small training loop in a subprocess. The child prints ``STEP s`` right before
+``mgr.step(s, ...)``, so the last ``STEP`` line it printed before dying is the step at which
+the signal was handled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pitstop
+
+PY = sys.executable
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    import pitstop
+    d = sys.argv[1]
+    opts = set(sys.argv[2:])
+    if "user-term-handler" in opts:
+        def on_term(signum, frame):
+            print("USER HANDLER", flush=True)
+            os._exit(7)
+        signal.signal(signal.SIGTERM, on_term)
+    mgr = pitstop.CheckpointManager(d, memory_tier="tier" in opts)
+    if "hold" in opts:
+        def hold(step):
+            print("HOLD", step, flush=True)
+            time.sleep(120)
+        mgr.hooks["before_write"] = hold
+    state = {"w": np.zeros(1000, np.float64), "meta": {"step": -1}}
+    start = mgr.restore(state)
+    if start is not None:
+        # the restored state is the one of the step at which the signal was handled
+        assert (state["w"] == start).all() and state["meta"]["step"] == start, state
+    print("START", start, flush=True)
+    first = 0 if start is None else start + 1
+    try:
+        with mgr:
+            for step in range(first, first + (30 if "short" in opts else 100_000)):
+                if os.path.exists(d + ".stop"):  # the parent ends the run
+                    break
+                # a non-atomic update: a save from inside the signal handler could see it torn
+                state["w"][:500] = step
+                time.sleep(0.002)
+                state["w"][500:] = step
+                state["meta"]["step"] = step
+                print("STEP", step, flush=True)
+                h = mgr.step(step, state)
+                if h is not None:
+                    print("SAVED", step, h.committed, flush=True)
+            if "short" in opts:
+                print("EVAL", flush=True)  # a long final evaluation: no more step() calls
+                time.sleep(3)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(3)
+    print("DONE", flush=True)
+""")
+
+
+class Child:
+    def __init__(self, directory, *opts: str) -> None:
+        self.p = subprocess.Popen([PY, "-c", _CHILD, str(directory), *opts],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT)
+        self.lines: list[str] = []
+
+    def wait_for(self, prefix: str) -> str:
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise AssertionError(f"child ended before {prefix!r}: {self.p.stderr.read()}")
+            self.lines.append(line.strip())
+            if line.startswith(prefix):
+                return line.strip()
+
+    def finish(self, timeout: float = 60) -> int:
+        out, err = self.p.communicate(timeout=timeout)
+        self.lines += out.strip().splitlines()
+        self.stderr = err
+        return self.p.returncode
+
+    def last(self, prefix: str) -> str | None:
+        hits = [x for x in self.lines if x.startswith(prefix)]
+        return hits[-1] if hits else None
+
+    def steps(self) -> list[int]:
+        return [int(x.split()[1]) for x in self.lines if x.startswith("STEP ")]
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+@pytest.fixture
+def children():
+    made: list[Child] = []
+
+    def make(*a) -> Child:
+        c = Child(*a)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.kill()
+
+
+def stop(directory) -> None:
+    with open(f"{directory}.stop", "w"):
+        pass
+
+
+def committed_steps(directory) -> list[int]:
+    return pitstop.CheckpointManager(directory, read_only=True).all_steps()
+
+
+def test_sigterm_saves_at_step_boundary_dies_with_sigterm_and_resumes_there(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d)
+    c.wait_for("STEP 20")
+    c.p.send_signal(signal.SIGTERM)
+    rc = c.finish()
+    assert rc == -signal.SIGTERM, c.stderr
+    handled = c.steps()[-1]
+    assert handled >= 20
+    assert "DONE" not in c.lines
+    assert committed_steps(d) == [handled]
+    # a restart resumes from the step at which the signal was handled (asserted in the child)
+    r = children(d)
+    assert r.wait_for("START") == f"START {handled}"
+    r.kill()
+
+
+def test_sigterm_chains_to_a_previously_installed_handler(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d, "user-term-handler")
+    c.wait_for("STEP 10")
+    c.p.send_signal(signal.SIGTERM)
+    rc = c.finish()
+    # pitstop saved first, then handed the signal to the handler the program had installed
+    assert rc == 7, c.stderr
+    assert "USER HANDLER" in c.lines
+    assert committed_steps(d) == [c.steps()[-1]]
+
+
+def test_sigint_saves_then_raises_keyboard_interrupt(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d)
+    c.wait_for("STEP 15")
+    c.p.send_signal(signal.SIGINT)
+    rc = c.finish()
+    assert rc == 3, c.stderr
+    assert "KeyboardInterrupt" in c.lines
+    handled = c.steps()[-1]
+    assert committed_steps(d) == [handled]
+    r = children(d)
+    assert r.wait_for("START") == f"START {handled}"
+    r.kill()
+
+
+def test_sigusr1_saves_and_training_continues(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d)
+    c.wait_for("STEP 10")
+    c.p.send_signal(signal.SIGUSR1)
+    saved = c.wait_for("SAVED")
+    step = int(saved.split()[1])
+    assert saved.split()[2] == "True"  # committed before training went on
+    # the save happened at the boundary right after the signal: the last STEP printed
+    assert c.steps()[-1] == step
+    c.wait_for(f"STEP {step + 5}")  # training goes on
+    stop(d)
+    rc = c.finish()
+    assert rc == 0, c.stderr
+    assert "DONE" in c.lines
+    assert max(c.steps()) > step  # training continued past the save
+    assert committed_steps(d) == [step]
+    # a second SIGUSR1, later, is a new request (not "act immediately")
+    os.unlink(f"{d}.stop")
+    c2 = children(d)
+    c2.wait_for("STEP")
+    c2.wait_for(f"STEP {step + 10}")
+    c2.p.send_signal(signal.SIGUSR1)
+    step2 = int(c2.wait_for("SAVED").split()[1])
+    c2.wait_for(f"STEP {step2 + 3}")
+    c2.p.send_signal(signal.SIGUSR1)
+    step3 = int(c2.wait_for("SAVED").split()[1])
+    stop(d)
+    assert c2.finish() == 0
+    assert committed_steps(d) == [step, step2, step3]
+
+
+def test_second_sigterm_acts_immediately(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d, "hold", "tier")
+    c.wait_for("STEP 10")
+    c.p.send_signal(signal.SIGTERM)
+    held = int(c.wait_for("HOLD").split()[1])  # the save is persisting (held for 120 s)
+    c.p.send_signal(signal.SIGTERM)
+    rc = c.finish(timeout=60)  # long before the held persist could end
+    assert rc == -signal.SIGTERM
+    assert committed_steps(d) == []
+    # the snapshot taken at the first signal survived in the memory tier
+    r = children(d, "tier")
+    assert r.wait_for("START") == f"START {held}"
+    r.kill()
+    # a last restart cleans the memory tier up on close (the killed restart left it behind)
+    m = pitstop.CheckpointManager(d, save_on_signals=None)
+    assert m.all_steps() == [held]
+    ident = m.directory_id
+    m.close()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"pitstop-{ident}")]
+
+
+def test_second_sigint_raises_at_once_even_inside_with(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d, "hold")
+    c.wait_for("STEP 10")
+    c.p.send_signal(signal.SIGINT)
+    c.wait_for("HOLD")
+    c.p.send_signal(signal.SIGINT)
+    rc = c.finish(timeout=60)
+    assert rc == 3, c.stderr
+    assert "KeyboardInterrupt" in c.lines
+
+
+def test_signal_is_never_acted_on_inside_the_handler(tmp_path):
+    # in-process: the handler only records the request; nothing is saved until step()
+    mgr = pitstop.CheckpointManager(tmp_path / "ckpt", memory_tier=False,
+                                    save_on_signals=("SIGUSR1",))
+    try:
+        state = {"w": np.zeros(10)}
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # let the interpreter run the handler
+        assert mgr.all_steps() == []
+        assert mgr._engine.in_flight() == 0
+        h = mgr.step(4, state)
+        assert h is not None and h.committed  # saved at the boundary, committed on return
+        assert mgr.all_steps() == [4]
+        assert mgr.step(5, state) is None  # the request was consumed
+    finally:
+        mgr.close()
+    # close restores the handler that was there before
+    assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)
+
+
+def test_managers_off_the_main_thread_install_no_handlers(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    out = {}
+
+    def run():
+        m = pitstop.CheckpointManager(tmp_path / "ckpt", memory_tier=False)
+        out["handler"] = signal.getsignal(signal.SIGTERM)
+        m.close()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert out["handler"] is before
+
+
+def test_sigterm_after_the_last_step_is_acted_on_at_close(tmp_path, children):
+    d = tmp_path / "ckpt"
+    c = children(d, "short")
+    c.wait_for("EVAL")
+    c.p.send_signal(signal.SIGTERM)
+    rc = c.finish()
+    # deferred, not swallowed: close() (leaving the with block) delivers it
+    assert rc == -signal.SIGTERM, c.stderr
+    assert "DONE" not in c.lines

@@ -1,0 +1,59 @@
+"""`import pitstop` / `import pitstop.core` must import no framework (core is neutral)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "optax", "orbax"]
+
+
+@pytest.mark.parametrize(
+    "module", ["pitstop", "pitstop.core", "pitstop.core.manager", "pitstop.cli"]
+)
+def test_import_pulls_in_no_framework(module):
+    code = (
+        f"import json, sys, {module}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{FRAMEWORKS!r})))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_numpy_save_restore_and_cli_import_no_framework(tmp_path):
+    code = f"""
+import json, sys
+import numpy as np
+import pitstop
+from pitstop.cli import main
+state = {{"w": np.ones(4, np.float32), "rng": pitstop.RNG(), "n": 1}}
+with pitstop.CheckpointManager({str(tmp_path)!r}, memory_tier=False) as mgr:
+    mgr.save(0, state).wait()
+    assert mgr.restore(state) == 0
+assert main(["verify", {str(tmp_path)!r}]) == 0
+print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r})))
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
