@@ -233,16 +233,22 @@ class CheckpointManager:
         under ``strict=False``), or None when there is nothing to restore. A corrupt newest
         checkpoint is reported and the previous valid one used; an explicit ``step`` raises.
         """
-        if self._engine is not None:
+        recovered = self._recovered
+        from_memory = recovered is not None and (step is None or step == recovered[2])
+        if self._engine is not None and not from_memory:
             self._engine.drain()
             self._engine.raise_pending()
         flat = flatten(state, self._resolve)
         report: RestoreReport | None = None
         restored: int | None = None
-        recovered = self._recovered
-        if recovered is not None and (step is None or step == recovered[2]):
+        if from_memory:
+            # straight from the verified shared-memory copy, while its persist to disk goes
+            # on in the background: no waiting for the disk
             restored, report = self._restore_recovered(flat, strict)
         if restored is None:
+            if self._engine is not None and from_memory:
+                self._engine.drain()
+                self._engine.raise_pending()
             restored, report = self._restore_from_disk(flat, step, strict)
         if restored is None:
             return None
@@ -499,6 +505,7 @@ class CheckpointManager:
             with self._reading(step_name(step)):
                 return step, reader.restore_into(flat, strict)
         newer: UnsupportedFormatError | None = None
+        corrupt: list[str] = []
         for s in reversed(steps):
             name = step_name(s)
             try:
@@ -511,6 +518,7 @@ class CheckpointManager:
                        "falling back to the previous one")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
+                corrupt.append(f"{name}: {e}")
                 self._quarantine(s)
             except UnsupportedFormatError as e:
                 # written by a newer pitstop: not corrupt, so never moved aside
@@ -521,6 +529,14 @@ class CheckpointManager:
                 newer = newer or e
         if newer is not None:
             raise newer  # nothing older to use: never start from scratch silently
+        if corrupt:
+            # checkpoints existed but none is valid: starting from scratch must be the user's
+            # decision, not a silent one
+            raise CorruptCheckpointError(
+                f"no valid checkpoint in {self.directory}: all {len(corrupt)} failed "
+                f"verification ({'; '.join(corrupt[:3])}). They were moved aside as "
+                "step_*.corrupt-*; restore() again starts from scratch.",
+                checkpoint=self.directory)
         return None, None
 
     def _reading(self, name: str) -> Any:
@@ -597,9 +613,8 @@ class CheckpointManager:
             return None, None
         report = reader.restore_into(flat, strict)
         log.warning("pitstop: restored step %d from the memory tier", step)
-        self._engine.drain()  # type: ignore[union-attr]
-        self.pool.release(buf)
-        self._recovered = None
+        # the buffer stays held (its persist may still be reading it) until the next save
+        # or close() releases it
         return step, report
 
     # ================================================================== signals

@@ -18,7 +18,7 @@ from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .tree import decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 MAJOR = 1
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
@@ -80,11 +80,42 @@ class Manifest:
             "values": self.values,
             "structure": self.structure,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return seal(body, self.hash_algorithm)
 
     @property
     def nbytes(self) -> int:
         return sum(math.prod(e.shape) * decode_dtype(e.dtype).itemsize for e in self.arrays.values())
+
+
+_HASH_KEY = b',"manifest_hash":"'
+
+
+def seal(body: bytes, algorithm: str) -> bytes:
+    """Append ``"manifest_hash"``: the hash of the manifest's bytes without that field, so
+    the values, metrics and layout the manifest itself carries are covered too (format 1.1)."""
+    from .hashing import hash_bytes
+    digest = hash_bytes(algorithm, body)
+    return body[:-1] + _HASH_KEY + digest.encode() + b'"}'
+
+
+def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
+    """Verify ``manifest_hash`` when present (1.0 manifests have none)."""
+    digest = doc.get("manifest_hash")
+    if digest is None:
+        if str(doc.get("format_version")) != "1.0":
+            raise CorruptCheckpointError(
+                f"{where}: manifest_hash is missing (every manifest since format 1.1 has one)",
+                checkpoint=where, file="manifest.json")
+        return
+    from .hashing import ALGORITHMS, hash_bytes
+    suffix = _HASH_KEY + str(digest).encode() + b'"}'
+    algorithm = doc.get("hash_algorithm")
+    if not data.endswith(suffix) or algorithm not in ALGORITHMS or \
+            hash_bytes(str(algorithm), data[: -len(suffix)] + b"}") != digest:
+        raise CorruptCheckpointError(
+            f"{where}: manifest hash mismatch (manifest.json changed after it was committed)",
+            checkpoint=where, file="manifest.json")
 
 
 def parse(data: bytes, where: str) -> Manifest:
@@ -96,6 +127,8 @@ def parse(data: bytes, where: str) -> Manifest:
                                      checkpoint=where) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where}: not a pitstop manifest", checkpoint=where)
+    if str(doc.get("format_version", "")).startswith("1."):
+        check_seal(data, doc, where)
     version = doc.get("format_version")
     try:
         major = int(str(version).split(".")[0])

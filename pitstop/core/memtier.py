@@ -18,6 +18,7 @@ deleted. ``close()`` of the manager removes the tier's files.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -50,7 +51,10 @@ class MemoryTier:
         self.root = root
         self.directory = os.path.realpath(directory)
         self.directory_id = directory_id
-        self.prefix = os.path.join(root, f"pitstop-{directory_id}")
+        # the real path is part of the name: a copied run directory keeps its directory_id,
+        # and must not share (and truncate) the original's live buffers
+        where = hashlib.sha1(self.directory.encode()).hexdigest()[:8]
+        self.prefix = os.path.join(root, f"pitstop-{directory_id}-{where}")
 
     def meta_path(self, buf: StagingBuffer) -> str:
         assert buf.shm_path is not None

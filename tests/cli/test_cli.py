@@ -175,6 +175,8 @@ def test_gc_memory_tier_drops_stale_files_keeps_recoverable(ckdir, tmp_path, cap
     shm.mkdir()
     ident = json.loads((ckdir / ".pitstop" / "directory.json").read_text())["directory_id"]
     tier = memtier.MemoryTier(str(shm), str(ckdir), ident)
+    name = os.path.basename(tier.prefix)  # pitstop-<directory_id>-<hash of the real path>
+    assert name.startswith(f"pitstop-{ident}-")
     base = {
         "host": __import__("socket").gethostname(),
         "boot_id": memtier.boot_id(),
@@ -187,16 +189,15 @@ def test_gc_memory_tier_drops_stale_files_keeps_recoverable(ckdir, tmp_path, cap
         (0, {**base, "step": 30, "committed": True}),
         (1, {**base, "step": 35, "committed": False}),
     ):
-        (shm / f"pitstop-{ident}-{slot}.json").write_text(json.dumps(meta))
-        (shm / f"pitstop-{ident}-{slot}.buf").write_bytes(b"\0" * 64)
-    (shm / f"pitstop-{ident}-2.buf").write_bytes(b"\0" * 64)
+        (shm / f"{name}-{slot}.json").write_text(json.dumps(meta))
+        (shm / f"{name}-{slot}.buf").write_bytes(b"\0" * 64)
+    (shm / f"{name}-2.buf").write_bytes(b"\0" * 64)
     (shm / "pitstop-otherdirectory-0.buf").write_bytes(b"\0" * 64)
-    assert tier.prefix == str(shm / f"pitstop-{ident}")
 
     rc, out, _ = run(capsys, "gc", ckdir, "--memory-tier", shm)
     assert rc == 0
     assert sorted(p.name for p in shm.iterdir()) == sorted(
-        [f"pitstop-{ident}-1.json", f"pitstop-{ident}-1.buf", "pitstop-otherdirectory-0.buf"]
+        [f"{name}-1.json", f"{name}-1.buf", "pitstop-otherdirectory-0.buf"]
     )
     assert "snapshot of step 35" in out
 

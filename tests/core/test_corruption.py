@@ -23,6 +23,7 @@ import pytest
 
 import pitstop
 from pitstop.core.manager import step_name
+from pitstop.core.manifest import seal
 
 STEPS = (1, 2, 3)
 
@@ -79,13 +80,36 @@ def data_files(d, step: int) -> list[str]:
     return sorted(glob.glob(os.path.join(step_dir(d, step), "data-*.bin")))
 
 
-def edit_manifest(d, step: int, fn) -> None:
+def edit_manifest(d, step: int, fn, reseal: bool = True) -> None:
+    """Edit a committed manifest. ``reseal`` recomputes its manifest_hash, as a deliberate
+    forger would, so each structural check is tested on its own; without it the manifest
+    hash is what must catch the change."""
     p = os.path.join(step_dir(d, step), "manifest.json")
     with open(p) as f:
         doc = json.load(f)
+    old = doc.pop("manifest_hash", None)
     fn(doc)
-    with open(p, "w") as f:
-        json.dump(doc, f)
+    if reseal:
+        body = seal(json.dumps(doc, separators=(",", ":")).encode(),
+                    doc.get("hash_algorithm", "xxh3-128"))
+    else:
+        doc["manifest_hash"] = old  # stays the last member, as written
+        body = json.dumps(doc, separators=(",", ":")).encode()
+    with open(p, "wb") as f:
+        f.write(body)
+
+
+def test_an_edited_value_in_the_manifest_is_caught_by_its_own_hash(ckdir):
+    # valid JSON, valid schema, only a saved value changed: the manifest's hash catches it
+    edit_manifest(ckdir, 3, lambda doc: doc["values"].update(
+        {k: 12345 for k in list(doc["values"])[:1]}), reseal=False)
+    with open_mgr(ckdir) as mgr:
+        with pytest.raises(pitstop.CorruptCheckpointError, match="manifest hash mismatch"):
+            mgr.restore(blank(), step=3)
+        t = blank()
+        with pytest.warns(UserWarning, match=step_name(3)):
+            assert mgr.restore(t) == 2
+        assert_state_is(t, 2)
 
 
 def file_tree(d) -> dict[str, bytes]:
@@ -288,16 +312,20 @@ def test_corrupt_older_checkpoint_does_not_affect_latest(ckdir):
     assert mgr.all_steps() == [1, 2, 3]
 
 
-def test_every_checkpoint_corrupt_returns_none_loudly_and_keeps_them_all(ckdir):
+def test_every_checkpoint_corrupt_raises_instead_of_starting_over_and_keeps_them_all(ckdir):
     for s in STEPS:
         truncate(ckdir, s)
     damaged = file_tree(ckdir)
     with open_mgr(ckdir) as mgr:
         t = blank()
         with pytest.warns(UserWarning) as rec:
-            assert mgr.restore(t) is None
+            with pytest.raises(pitstop.CorruptCheckpointError, match="no valid checkpoint") as info:
+                mgr.restore(t)
         named = " ".join(str(w.message) for w in rec)
         assert all(step_name(s) in named for s in STEPS)
+        assert step_name(STEPS[-1]) in str(info.value)
+        # a second restore() is the user's explicit choice to start from scratch
+        assert mgr.restore(t) is None
         assert t["epoch"] == -1
     assert file_tree(ckdir) == damaged
 

@@ -82,13 +82,19 @@ def crash_during_persist(directory, commit, hold, compression="none") -> str:
         assert line.startswith("HOLD"), p.stderr.read()
         ident = line.split()[1]
         # the sealed snapshot sits where the docs say it does
-        assert os.path.exists(f"{SHM}/pitstop-{ident}-0.buf")
-        assert os.path.exists(f"{SHM}/pitstop-{ident}-0.json")
+        assert os.path.exists(f"{shm_prefix(directory, ident)}-0.buf")
+        assert os.path.exists(f"{shm_prefix(directory, ident)}-0.json")
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait(30)
     assert p.returncode == -signal.SIGKILL
     return ident
+
+
+def shm_prefix(directory, ident: str) -> str:
+    """Where the tier keeps a directory's files: its id and a hash of its real path."""
+    from pitstop.core.memtier import MemoryTier
+    return MemoryTier(SHM, str(directory), ident).prefix
 
 
 def tier_files(ident: str) -> list[str]:
@@ -123,6 +129,8 @@ def test_killed_during_persist_restart_restores_snapshot_from_memory(tmp_path, c
         restored = mgr.restore(target)
         assert restored == 2
         assert_is_state(target, 2)  # the values of the snapshot moment, exactly
+        # restore() read memory without waiting for the disk; the persist finishes behind it
+        mgr.wait()
         # ...and step 2 is now committed on disk, verified like any checkpoint
         assert mgr.all_steps() == [1, 2]
         assert_is_state(mgr.load(2), 2)
@@ -184,7 +192,7 @@ def test_tier_not_trusted_unless_newer_than_committed(tmp_path, cleanup_shm, cap
         newest = 3
     else:
         ident = crash_during_persist(d, [1], 2)
-        meta_path = f"{SHM}/pitstop-{ident}-0.json"
+        meta_path = f"{shm_prefix(d, ident)}-0.json"
         with open(meta_path) as f:
             meta = json.load(f)
         meta["step"] = 1  # claims the committed step (its bytes are step 2's)
@@ -210,7 +218,7 @@ def test_tier_not_trusted_when_hash_does_not_verify(tmp_path, cleanup_shm, caplo
     d = tmp_path / "ckpt"
     ident = crash_during_persist(d, [1], 2)
     cleanup_shm.append(ident)
-    buf = f"{SHM}/pitstop-{ident}-0.buf"
+    buf = f"{shm_prefix(d, ident)}-0.buf"
     with open(buf, "r+b") as f:
         f.seek(1000)
         b = f.read(1)
@@ -235,14 +243,24 @@ def test_tier_not_trusted_for_another_directory(tmp_path, cleanup_shm, caplog):
     cleanup_shm.append(ident)
     copy = tmp_path / "copy"
     shutil.copytree(d, copy)  # same directory id, different directory
-    caplog.set_level(logging.INFO, logger="pitstop")
+    original = tier_files(ident)
+    assert original
     mgr = open_mgr(copy)
     try:
         target = zero_state()
         assert mgr.restore(target) == 1
         assert_is_state(target, 1)
         assert mgr.all_steps() == [1]
-        assert any("another checkpoint directory" in r.getMessage() for r in caplog.records)
+        mgr.save(5, state_of(5)).wait()  # the copy's own tier buffer is its own
+    finally:
+        mgr.close()
+    # the copy neither used nor touched the original's snapshot; the original still recovers
+    assert set(original) <= set(tier_files(ident))
+    mgr = open_mgr(d)
+    try:
+        target = zero_state()
+        assert mgr.restore(target) == 2
+        assert_is_state(target, 2)
     finally:
         mgr.close()
 
@@ -253,9 +271,10 @@ def test_close_removes_tier_files(tmp_path):
     try:
         mgr.save(1, state_of(1)).wait()
         files = tier_files(ident)
-        assert f"{SHM}/pitstop-{ident}-0.buf" in files
-        assert f"{SHM}/pitstop-{ident}-0.json" in files
-        with open(f"{SHM}/pitstop-{ident}-0.json") as f:
+        prefix = shm_prefix(tmp_path / "ckpt", ident)
+        assert f"{prefix}-0.buf" in files
+        assert f"{prefix}-0.json" in files
+        with open(f"{prefix}-0.json") as f:
             meta = json.load(f)
         assert meta["step"] == 1 and meta["committed"] is True
     finally:

@@ -221,6 +221,7 @@ def test_second_sigterm_acts_immediately(tmp_path, children):
     r.kill()
     # a last restart cleans the memory tier up on close (the killed restart left it behind)
     m = pitstop.CheckpointManager(d, save_on_signals=None)
+    m.wait()  # the killed restart may not have finished persisting the recovered snapshot
     assert m.all_steps() == [held]
     ident = m.directory_id
     m.close()
