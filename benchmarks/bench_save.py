@@ -33,7 +33,6 @@ import time
 import numpy as np
 
 import pitstop
-from pitstop.core.engine import hash_chunks
 
 ARRAYS = 24
 
@@ -81,12 +80,12 @@ class PeakRSS:
 def floors(state: dict, workdir: str, reps: int) -> dict:
     arrays = list(state["params"].values())
     dst = [np.empty_like(a) for a in arrays]
-    for d, a in zip(dst, arrays):
+    for d, a in zip(dst, arrays, strict=True):
         np.copyto(d, a)  # fault in
     memcpy = []
     for _ in range(reps):
         t = time.perf_counter()
-        for d, a in zip(dst, arrays):
+        for d, a in zip(dst, arrays, strict=True):
             np.copyto(d, a)
         memcpy.append(time.perf_counter() - t)
     write, read = [], []
@@ -197,7 +196,10 @@ def py_step() -> None:
         s += i * i
 
 
-def np_step(a: np.ndarray = np.ones((192, 192), np.float32)) -> None:
+_NP_STEP_A = np.ones((192, 192), np.float32)
+
+
+def np_step(a: np.ndarray = _NP_STEP_A) -> None:
     a @ a
 
 
@@ -229,7 +231,8 @@ def contention(state: dict, workdir: str) -> dict:
             for step in range(1, 3):
                 h = mgr.save(step, state)
                 done = threading.Event()
-                threading.Thread(target=lambda: (h.wait(), done.set()), daemon=True).start()
+                threading.Thread(target=lambda h=h, done=done: (h.wait(), done.set()),
+                                 daemon=True).start()
                 speeds.append(loop_speed(fn, 30.0, done))
         res[f"{name}_threads"] = statistics.median(speeds) / idle
         # the alternative design: a persister process reading the /dev/shm snapshot
@@ -242,7 +245,8 @@ def contention(state: dict, workdir: str) -> dict:
             p = subprocess.Popen([sys.executable, "-c", _PROC_WRITER, shm,
                                   os.path.join(workdir, "proc.bin")])
             done = threading.Event()
-            threading.Thread(target=lambda: (p.wait(), done.set()), daemon=True).start()
+            threading.Thread(target=lambda p=p, done=done: (p.wait(), done.set()),
+                             daemon=True).start()
             speeds.append(loop_speed(fn, 30.0, done))
         os.unlink(shm)
         res[f"{name}_process"] = statistics.median(speeds) / idle

@@ -9,12 +9,29 @@
 from ._version import __version__
 from .adapters.rng import RNG
 from .core.engine import SaveHandle, SaveStats
-from .core.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
-                          CorruptCheckpointError, DirectoryLockedError, IncompatibleTargetError,
-                          StepExistsError, UnsupportedFormatError, UnsupportedStateError)
+from .core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    IncompatibleTargetError,
+    StepExistsError,
+    UnsupportedFormatError,
+    UnsupportedStateError,
+)
 from .core.manager import CheckpointManager
-from .core.policy import (AnyOf, AutoInterval, EveryNSteps, EverySeconds, KeepAll, KeepBest,
-                          KeepEverySteps, KeepLast, OnImprovement)
+from .core.policy import (
+    AnyOf,
+    AutoInterval,
+    EveryNSteps,
+    EverySeconds,
+    KeepAll,
+    KeepBest,
+    KeepEverySteps,
+    KeepLast,
+    OnImprovement,
+)
 
 __all__ = [
     "CheckpointManager", "SaveHandle", "SaveStats", "RNG",

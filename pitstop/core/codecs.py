@@ -42,7 +42,7 @@ def encode(codec: str, data: np.ndarray, level: int = 3) -> memoryview | np.ndar
     raw = data
     if codec.startswith("zstd+shuffle"):
         raw = _shuffle(data, int(codec.removeprefix("zstd+shuffle")))
-    return memoryview(zstandard.ZstdCompressor(level=level).compress(raw))
+    return memoryview(zstandard.ZstdCompressor(level=level).compress(raw.data))
 
 
 def decode_into(codec: str, payload: bytes | memoryview, out: np.ndarray) -> None:

@@ -16,10 +16,11 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -181,7 +182,7 @@ class Engine:
         ``block`` is False. This is the whole stall of an asynchronous save."""
         arrays = flat.arrays
         sig = [(k, leaf.shape, leaf.dtype) for k, leaf in arrays.items()]
-        if sig == self._last_sig:
+        if sig == self._last_sig and self._last_layout is not None:
             layout = self._last_layout  # same keys, shapes, dtypes: reuse, allocate nothing
         else:
             layout = Layout.of(arrays, self.writer_threads)
@@ -193,7 +194,7 @@ class Engine:
             if self.tier is not None and buf.shm_path is not None:
                 self.tier.invalidate(buf)
             fences = []
-            for leaf, view in zip(arrays.values(), buf.view_list):
+            for leaf, view in zip(arrays.values(), buf.view_list, strict=True):
                 leaf.snapshot_into(view)
                 fence = leaf.snapshot_fence
                 if fence is not None and fence not in fences:
@@ -413,7 +414,7 @@ class Engine:
                     payload = codecs.encode(codec, buf.buf[off:off + n])
                     digest = hash_chunks(self.hash_algorithm, payload)
                     w.write(payload)
-                    size = memoryview(payload).nbytes
+                    size = payload.nbytes
                     entries[k] = ArrayEntry(
                         dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
                         file=fname, offset=pos, length=size, hash=digest, codec=codec)

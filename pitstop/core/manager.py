@@ -12,19 +12,36 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from . import memtier as memtier_mod
 from .engine import Engine, PersistJob, SaveHandle, SaveStats
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     StepExistsError, UnsupportedFormatError)
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StepExistsError,
+    UnsupportedFormatError,
+)
 from .hashing import ALGORITHMS, DEFAULT
 from .manifest import Manifest
 from .memtier import MemoryTier
-from .policy import (AnyOf, AutoInterval, CheckpointInfo, EveryNSteps, EverySeconds, KeepBest,
-                     KeepEverySteps, KeepLast, OnImprovement, RetentionPolicy, SaveContext,
-                     SavePolicy, to_delete)
+from .policy import (
+    AnyOf,
+    AutoInterval,
+    CheckpointInfo,
+    EveryNSteps,
+    EverySeconds,
+    KeepBest,
+    KeepEverySteps,
+    KeepLast,
+    OnImprovement,
+    RetentionPolicy,
+    SaveContext,
+    SavePolicy,
+    to_delete,
+)
 from .reader import CheckpointReader, RestoredStep, RestoreReport
 from .snapshot import StagingPool
 from .storage import Storage, open_storage
@@ -461,7 +478,7 @@ class CheckpointManager:
                                 "write it", self.storage.path_of(step_name(s)))
                     continue
                 try:
-                    if self.storage.delete_if_unread(step_name(s)):  # type: ignore[attr-defined]
+                    if self.storage.delete_if_unread(step_name(s)):
                         del self._index[s]
                         log.info("pitstop: retention deleted step %d", s)
                     else:
@@ -540,18 +557,18 @@ class CheckpointManager:
         return None, None
 
     def _reading(self, name: str) -> Any:
-        lease = getattr(self.storage, "read_lease", None)
-        if lease is None:
-            from contextlib import nullcontext
-            return nullcontext()
-        return lease(name)
+        return self.storage.read_lease(name)
 
     def _quarantine(self, step: int) -> None:
         """Move a corrupt checkpoint aside (never deleted) so later saves can reuse its step."""
         if self.read_only:
             return
         name = step_name(step)
-        new = self.storage.quarantine(name)  # type: ignore[attr-defined]
+        new = self.storage.quarantine(name)
+        if new is None:
+            log.warning("pitstop: corrupt checkpoint %s stays in place (this storage cannot "
+                        "move it aside)", name)
+            return
         with self._state_lock:
             self._index.pop(step, None)
             self._write_index()
@@ -748,6 +765,8 @@ class CheckpointManager:
                                 durable=False)
 
     def _best_so_far(self) -> float | None:
+        if self.best_metric is None:
+            return None
         vals = [i.metrics.get(self.best_metric) for i in self._index.values()]
         nums = [float(v) for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
         if not nums:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .dtypes import decode_dtype
 from .errors import CorruptCheckpointError, UnsupportedFormatError

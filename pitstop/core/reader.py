@@ -6,7 +6,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -15,13 +15,25 @@ from .dtypes import decode_dtype
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
-from .storage import Storage
-from .storage.local import MANIFEST
+from .storage.local import MANIFEST, pread_full
 from .tree import FlatState, decode_value, encode_value, join, split, unflatten
 
 READ_CHUNK = 16 << 20
 SMALL = 1 << 20
 WINDOW = 8 << 20
+
+
+class ReadableStorage(Protocol):
+    """What a reader needs of its storage: any :class:`Storage`, or the memory-tier buffer
+    the manager verifies on recovery. ``open_reader(name, relpath) -> fd`` is optional."""
+
+    def path_of(self, name: str, relpath: str = "") -> str: ...
+
+    def read_bytes(self, name: str, relpath: str) -> bytes: ...
+
+    def size(self, name: str, relpath: str) -> int: ...
+
+    def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int: ...
 
 
 @dataclass
@@ -54,7 +66,8 @@ class RestoredStep(int):
 class CheckpointReader:
     """One committed checkpoint ``name`` in ``storage``."""
 
-    def __init__(self, storage: Storage, name: str, *, threads: int | None = None) -> None:
+    def __init__(self, storage: ReadableStorage, name: str, *,
+                 threads: int | None = None) -> None:
         self.storage = storage
         self.name = name
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
@@ -115,7 +128,7 @@ class CheckpointReader:
             if h.hexdigest() != entry.hash:
                 raise self._corrupt(key, entry, "hash mismatch (the bytes on disk changed)")
             try:
-                codecs.decode_into(entry.codec, payload, raw)
+                codecs.decode_into(entry.codec, payload.data, raw)
             except Exception as e:  # noqa: BLE001
                 raise self._corrupt(key, entry, f"cannot decode: {e}") from None
             return out
@@ -245,7 +258,7 @@ class CheckpointReader:
             if key in m.arrays and key not in bad and key not in in_tuple:
                 container[k] = (self.read_array(key, m.arrays[key])[()] if key in resized else
                                 flat.arrays[key].array[()])  # type: ignore[attr-defined]
-        for key, value in flat.values.items():
+        for key in flat.values:
             if key in rebuilt:
                 new = rebuilt[key]
             elif key in m.values:
@@ -343,14 +356,9 @@ class _FileSource:
 
 
 def _pread(fd: int, out: np.ndarray, offset: int) -> int:
-    view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
-    total = 0
-    while total < len(view):
-        got = os.preadv(fd, [view[total:]], offset + total)
-        if got == 0:
-            break
-        total += got
-    return total
+    if not out.flags.c_contiguous:
+        raise ValueError("reads go into C-contiguous buffers only")
+    return pread_full(fd, out.reshape(-1).view(np.uint8).data if out.size else bytearray(), offset)
 
 
 def _child(node: Any, comp: str) -> Any:

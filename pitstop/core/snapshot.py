@@ -71,12 +71,13 @@ class Layout:
     def groups(self) -> list[list[int]]:
         """Array indices per write group, in order."""
         bounds = list(self.group_starts) + [len(self.keys)]
-        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
     def to_json(self) -> dict[str, Any]:
         return {"total": self.total, "group_starts": list(self.group_starts), "arrays": [
             [k, encode_dtype(d), list(s), o, n]
-            for k, s, d, o, n in zip(self.keys, self.shapes, self.dtypes, self.offsets, self.nbytes)]}
+            for k, s, d, o, n in zip(self.keys, self.shapes, self.dtypes, self.offsets, self.nbytes,
+                                     strict=True)]}
 
 
 class StagingBuffer:
@@ -108,7 +109,7 @@ class StagingBuffer:
             self.buf[::4096] = 0  # fault every page in now, not during the first snapshot
         self.views: dict[str, np.ndarray] = {}
         for k, shape, dt, off, n in zip(layout.keys, layout.shapes, layout.dtypes,
-                                        layout.offsets, layout.nbytes):
+                                        layout.offsets, layout.nbytes, strict=True):
             self.views[k] = self.buf[off:off + n].view(dt).reshape(shape)
         self.view_list = list(self.views.values())
         self.step: int | None = None

@@ -83,6 +83,7 @@ class NumpyLeaf(ArrayLeaf):
     """An ``np.ndarray`` leaf: any shape, order or stride; restored in place."""
 
     __slots__ = ("array", "shape", "dtype", "nbytes")
+    nbytes: int  # a slot, set once here: overrides the computed property of ArrayLeaf
 
     def __init__(self, array: np.ndarray) -> None:
         dt = array.dtype

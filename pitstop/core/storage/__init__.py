@@ -1,12 +1,14 @@
 """Storage backends behind one short interface (see :class:`Storage`)."""
 
+import os
+
 from .base import Storage, Transaction, Writer
 from .local import LocalStorage
 
 __all__ = ["Storage", "Transaction", "Writer", "LocalStorage", "open_storage"]
 
 
-def open_storage(location: "str | Storage", **kwargs: object) -> Storage:
+def open_storage(location: "str | os.PathLike[str] | Storage", **kwargs: object) -> Storage:
     """A Storage for a path (local) or an existing Storage object."""
     if isinstance(location, Storage):
         return location

@@ -18,6 +18,7 @@ committed checkpoint. ``cleanup_incomplete()`` removes what interrupted transact
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 
@@ -88,6 +89,20 @@ class Storage(ABC):
     def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
         """Atomically replace a small directory-level file (fsynced unless ``durable`` is
         False: for derived data that can be rebuilt from the checkpoints themselves)."""
+
+    def delete_if_unread(self, name: str) -> bool:
+        """Delete ``name`` unless a reader holds it; backends without read leases just delete."""
+        self.delete(name)
+        return True
+
+    def read_lease(self, name: str) -> AbstractContextManager[None]:
+        """Held while a checkpoint is read, so retention leaves it alone (no-op by default)."""
+        return nullcontext()
+
+    def quarantine(self, name: str) -> str | None:
+        """Move a corrupt checkpoint out of the listing, keeping its bytes; None when this
+        backend cannot (it then stays where it is)."""
+        return None
 
     def lock(self) -> Any:
         raise NotImplementedError("this storage cannot be locked")

@@ -28,6 +28,18 @@ META_DIR = ".pitstop"
 MANIFEST = "manifest.json"
 
 
+def pread_full(fd: int, out: Any, offset: int) -> int:
+    """Fill the writable, contiguous buffer ``out`` from ``offset`` (fewer bytes only at EOF)."""
+    view = memoryview(out).cast("B")
+    total = 0
+    while total < len(view):
+        got = os.preadv(fd, [view[total:]], offset + total)
+        if got == 0:
+            break
+        total += got
+    return total
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -219,16 +231,9 @@ class LocalStorage(Storage):
             return f.read()
 
     def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
-        view = memoryview(out).cast("B")
         fd = os.open(self._safe(name, relpath), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            total = 0
-            while total < len(view):
-                n = os.preadv(fd, [view[total:]], offset + total)
-                if n == 0:
-                    break
-                total += n
-            return total
+            return pread_full(fd, out, offset)
         finally:
             os.close(fd)
 
