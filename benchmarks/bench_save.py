@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 import pitstop
+from pitstop.core.manager import step_name
 
 ARRAYS = 24
 
@@ -77,42 +78,6 @@ class PeakRSS:
         self.peak = max(self.peak, rss())
 
 
-def floors(state: dict, workdir: str, reps: int) -> dict:
-    arrays = list(state["params"].values())
-    dst = [np.empty_like(a) for a in arrays]
-    for d, a in zip(dst, arrays, strict=True):
-        np.copyto(d, a)  # fault in
-    memcpy = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for d, a in zip(dst, arrays, strict=True):
-            np.copyto(d, a)
-        memcpy.append(time.perf_counter() - t)
-    write, read = [], []
-    path = os.path.join(workdir, "floor.bin")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for a in arrays:
-            mv = memoryview(a).cast("B")
-            while mv:
-                mv = mv[os.write(fd, mv):]
-        os.fsync(fd)
-        os.close(fd)
-        write.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY)
-        pos = 0
-        for d in dst:
-            mv = memoryview(d).cast("B")
-            pos += os.preadv(fd, [mv], pos)
-        os.close(fd)
-        read.append(time.perf_counter() - t)
-        os.unlink(path)
-    return {"memcpy": min(memcpy), "write_fsync": statistics.median(write),
-            "read_warm": min(read)}
-
-
 def train_step(w: np.ndarray, g: np.ndarray) -> None:
     """A CPU 'training step': a few memory-bound numpy passes over a fixed working set."""
     np.multiply(g, 0.999, out=g)
@@ -120,63 +85,116 @@ def train_step(w: np.ndarray, g: np.ndarray) -> None:
     np.multiply(w, 1.0001, out=w)
 
 
-def pitstop_figures(state: dict, workdir: str, reps: int, memory_tier: bool) -> dict:
+def floor_memcpy(arrays: list[np.ndarray], dst: list[np.ndarray]) -> float:
+    t = time.perf_counter()
+    for d, a in zip(dst, arrays, strict=True):
+        np.copyto(d, a)
+    return time.perf_counter() - t
+
+
+def floor_write(arrays: list[np.ndarray], path: str) -> float:
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for a in arrays:
+        mv = memoryview(a).cast("B")
+        while mv:
+            mv = mv[os.write(fd, mv):]
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t
+
+
+def floor_read(dst: list[np.ndarray], ckpt: str) -> float:
+    """Read the same bytes (the checkpoint's own data files, so placement and page-cache
+    state are the same) into preallocated arrays: no hashing, no checks."""
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        entries = list(json.load(f)["arrays"].values())
+    t = time.perf_counter()
+    fds: dict[str, int] = {}
+    for d, e in zip(dst, entries, strict=True):
+        fd = fds.get(e["file"])
+        if fd is None:
+            fd = fds[e["file"]] = os.open(os.path.join(ckpt, e["file"]), os.O_RDONLY)
+        os.preadv(fd, [memoryview(d).cast("B")], e["offset"])
+    for fd in fds.values():
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+def measure(state: dict, workdir: str, reps: int, memory_tier: bool) -> dict:
+    """Each figure next to its floor, interleaved rep by rep (floor, pitstop, floor, ...) so
+    drift of this shared machine hits both; ratios are medians of per-rep ratios."""
     d = os.path.join(workdir, "ckpt")
+    floor_path = os.path.join(workdir, "floor.bin")
     shutil.rmtree(d, ignore_errors=True)
-    nbytes = sum(a.nbytes for a in state["params"].values())
+    arrays = list(state["params"].values())
+    nbytes = sum(a.nbytes for a in arrays)
+    dst = [np.zeros_like(a) for a in arrays]
     w = np.ones(4 << 20, np.float32)
     g = np.ones_like(w)
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "memcpy", "write_fsync", "read_warm", "stall", "save_to_commit", "save_to_commit_training",
+        "lost_per_save", "restore")}
     out: dict = {}
-    base_rss = rss()
+    target = {"params": {k: np.zeros_like(a) for k, a in state["params"].items()}, "step": 0}
     with pitstop.CheckpointManager(d, memory_tier=memory_tier, save_on_signals=()) as mgr:
+        base_rss = rss()
         with PeakRSS() as peak:
-            mgr.save(0, state).wait()  # allocates the staging buffer once
+            mgr.save(0, state).wait()  # allocates the staging buffer, once
         out["extra_mem_first_save"] = (peak.peak - base_rss) / nbytes
-        # baseline step time of the 'training' loop
-        for _ in range(20):
-            train_step(w, g)
-        t = time.perf_counter()
-        n0 = 50
-        for _ in range(n0):
-            train_step(w, g)
-        step_s = (time.perf_counter() - t) / n0
-        stalls, commits, lost = [], [], []
-        for r in range(reps):
-            step = r + 1
+        reader = pitstop.CheckpointManager(d, read_only=True)
+        reader.restore(target, step=0)  # warm the page cache, as the floor's read is warm
+        base = rss()
+        with PeakRSS() as peak:
+            reader.restore(target, step=0)
+        out["extra_mem_restore"] = (peak.peak - base) / nbytes
+        floor_memcpy(arrays, dst)
+        for rep in range(reps):
+            step = 2 * rep + 1
+            rows["memcpy"].append(floor_memcpy(arrays, dst))
             t0 = time.perf_counter()
             h = mgr.save(step, state)
-            stall = time.perf_counter() - t0
+            rows["stall"].append(time.perf_counter() - t0)
+            h.wait()
+            rows["save_to_commit"].append(time.perf_counter() - t0)
+            rows["write_fsync"].append(floor_write(arrays, floor_path))
+            # training time lost: the stall plus how much slower the loop ran until the commit
+            for _ in range(5):
+                train_step(w, g)
+            t = time.perf_counter()
+            for _ in range(30):
+                train_step(w, g)
+            step_s = (time.perf_counter() - t) / 30
+            t0 = time.perf_counter()
+            h = mgr.save(step + 1, state)
             steps = 0
             while not h.done():
                 train_step(w, g)
                 steps += 1
             t1 = time.perf_counter()
             h.wait()
-            commits.append(t1 - t0)
-            stalls.append(stall)
-            lost.append(max(0.0, (t1 - t0) - steps * step_s))
-        out["stall"] = statistics.median(stalls)
-        out["save_to_commit"] = statistics.median(commits)
-        out["lost_per_save"] = statistics.median(lost)
-        out["step_s"] = step_s
-    # restore into live arrays (warm cache), with the memory it costs
-    target = {"params": {k: np.empty_like(a) for k, a in state["params"].items()}, "step": 0}
-    for a in target["params"].values():
-        a.fill(0)
-    times = []
-    with pitstop.CheckpointManager(d, read_only=True) as mgr:
-        mgr.restore(target)
-        base = rss()
-        with PeakRSS() as peak:
-            for _ in range(reps):
-                t = time.perf_counter()
-                mgr.restore(target)
-                times.append(time.perf_counter() - t)
-        out["extra_mem_restore"] = (peak.peak - base) / nbytes
-    out["restore"] = min(times)
+            t = time.perf_counter()  # the loop's speed right after, too: drift cancels
+            for _ in range(30):
+                train_step(w, g)
+            step_s = (step_s + (time.perf_counter() - t) / 30) / 2
+            rows["save_to_commit_training"].append(t1 - t0)
+            rows["lost_per_save"].append(max(0.0, (t1 - t0) - steps * step_s))
+            rows["read_warm"].append(floor_read(dst, os.path.join(d, step_name(0))))
+            t = time.perf_counter()
+            reader.restore(target, step=0)
+            rows["restore"].append(time.perf_counter() - t)
+        reader.close()
+    os.unlink(floor_path)
     for k in state["params"]:
         assert np.array_equal(target["params"][k], state["params"][k])
     shutil.rmtree(d, ignore_errors=True)
+    for k, v in rows.items():
+        out[k] = statistics.median(v)
+    pairs = {"stall/memcpy": ("stall", "memcpy"), "lost/memcpy": ("lost_per_save", "memcpy"),
+             "commit/write": ("save_to_commit", "write_fsync"),
+             "restore/read": ("restore", "read_warm")}
+    for name, (a, b) in pairs.items():
+        out[name] = statistics.median(x / y for x, y in zip(rows[a], rows[b], strict=True))
     return out
 
 
@@ -210,7 +228,7 @@ fd = os.open(src, os.O_RDONLY); size = os.fstat(fd).st_size
 mm = mmap.mmap(fd, size, prot=mmap.PROT_READ); mv = memoryview(mm)
 h = xxhash.xxh3_128()
 for p in range(0, size, 8 << 20): h.update(mv[p:p + (8 << 20)])
-out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
 for p in range(0, size, 32 << 20):
     b = mv[p:p + (32 << 20)]
     while b: b = b[os.write(out, b):]
@@ -240,6 +258,7 @@ def contention(state: dict, workdir: str) -> dict:
         with open(shm, "wb") as f:
             for a in state["params"].values():
                 f.write(memoryview(a).cast("B"))
+            f.truncate(-(-f.tell() // 4096) * 4096)  # O_DIRECT writes whole pages
         speeds = []
         for _ in range(2):
             p = subprocess.Popen([sys.executable, "-c", _PROC_WRITER, shm,
@@ -269,14 +288,9 @@ def main() -> None:
     for text in args.sizes.split(","):
         n = parse_size(text)
         state = make_state(n)
-        f = floors(state, workdir, args.reps)
-        p = pitstop_figures(state, workdir, args.reps, args.memory_tier)
+        p = measure(state, workdir, args.reps, args.memory_tier)
         c = {} if args.no_contention else contention(state, workdir)
-        row = {"size": text, "bytes": n, **{f"floor_{k}": v for k, v in f.items()}, **p, **c,
-               "stall/memcpy": p["stall"] / f["memcpy"],
-               "lost/memcpy": p["lost_per_save"] / f["memcpy"],
-               "commit/write": p["save_to_commit"] / f["write_fsync"],
-               "restore/read": p["restore"] / f["read_warm"]}
+        row = {"size": text, "bytes": n, **p, **c}
         rows.append(row)
         del state
     if args.json:
@@ -286,11 +300,12 @@ def main() -> None:
                   "restore/read": 1.3, "extra_mem_first_save": 1.05, "extra_mem_restore": 0.25,
                   "numpy_loop_threads": 0.60, "python_loop_threads": 0.95}
         for row in rows:
-            print(f"\n== {row['size']} ({row['bytes'] / 2**20:.0f} MiB); floors: memcpy "
-                  f"{row['floor_memcpy']:.3f} s, write+fsync {row['floor_write_fsync']:.3f} s, "
-                  f"warm read {row['floor_read_warm']:.3f} s")
+            print(f"\n== {row['size']} ({row['bytes'] / 2**20:.0f} MiB); floors (medians): "
+                  f"memcpy {row['memcpy']:.3f} s, write+fsync {row['write_fsync']:.3f} s, "
+                  f"warm read {row['read_warm']:.3f} s")
             print(f"   stall {row['stall']:.3f} s, lost/save {row['lost_per_save']:.3f} s, "
-                  f"commit {row['save_to_commit']:.3f} s, restore {row['restore']:.3f} s")
+                  f"save->commit {row['save_to_commit']:.3f} s (while training: "
+                  f"{row['save_to_commit_training']:.3f} s), restore {row['restore']:.3f} s")
             for k, goal in target.items():
                 if k in row:
                     v = row[k]

@@ -96,6 +96,7 @@ class CheckpointManager:
         hash_algorithm: str = DEFAULT,
         compression: str | None = None,
         writer_threads: int | None = None,
+        copy_threads: int | None = None,
         durable: bool = True,
         read_only: bool = False,
         on_save: Callable[[SaveStats], None] | None = None,
@@ -172,7 +173,7 @@ class CheckpointManager:
                 self.storage, hash_algorithm=hash_algorithm, compression=compression,
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
                 directory_id=self.directory_id, on_commit=self._on_commit, tier=self._tier,
-                name_of=step_name)
+                name_of=step_name, copy_threads=copy_threads)
             self.hooks = self._engine.hooks
 
             # when to save

@@ -502,3 +502,35 @@ def test_exception_in_with_block_commits_last_snapshot_first(tmp_path, exc):
     # the manager was closed: the directory is free for the restart
     again = pitstop.CheckpointManager(tmp_path / "ckpt", memory_tier=False, save_on_signals=None)
     again.close()
+
+
+def test_parallel_snapshot_copy_is_exact_for_every_layout(tmp_path):
+    # above PARALLEL_COPY_MIN the snapshot copies on several threads, cutting large
+    # contiguous arrays into chunks: every layout must still land exactly
+    from pitstop.core.engine import COPY_CHUNK, PARALLEL_COPY_MIN
+    rng = np.random.default_rng(7)
+    n = (COPY_CHUNK * 2 + 12345) // 8
+    state = {
+        "big": rng.standard_normal(n),                                   # split in chunks
+        "fortran": np.asfortranarray(rng.standard_normal((1500, 1500))),  # copied whole
+        "strided": rng.standard_normal(2 * n)[::2],                       # non-contiguous
+        "swapped": rng.standard_normal(n // 2).astype(">f8"),             # byte swap on copy
+        "small": rng.integers(0, 9, 17, dtype=np.int16),
+        "step": 3,
+    }
+    assert sum(a.nbytes for a in state.values() if isinstance(a, np.ndarray)) >= PARALLEL_COPY_MIN
+    with pitstop.CheckpointManager(tmp_path / "ck", memory_tier=False, copy_threads=3,
+                                   save_on_signals=None) as mgr:
+        h = mgr.save(1, state)
+        for v in state.values():  # mutating right after the snapshot changes nothing saved
+            if isinstance(v, np.ndarray):
+                v[...] = 0
+        h.wait()
+        out = mgr.load(1)
+    rng = np.random.default_rng(7)
+    want = {"big": rng.standard_normal(n),
+            "fortran": rng.standard_normal((1500, 1500)),
+            "strided": rng.standard_normal(2 * n)[::2],
+            "swapped": rng.standard_normal(n // 2)}
+    for k, v in want.items():
+        assert np.array_equal(out[k], v), k
