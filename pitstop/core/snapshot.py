@@ -20,6 +20,7 @@ import numpy as np
 from .dtypes import encode_dtype
 from .tree import ArrayLeaf
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 SMALL_ALIGN = 64
 LARGE_ALIGN = 4096
 LARGE = 1 << 20
@@ -98,15 +99,19 @@ class StagingBuffer:
                     # reserve tmpfs pages now: a full /dev/shm fails here with ENOSPC, not
                     # with SIGBUS in the middle of a snapshot
                     os.posix_fallocate(fd, 0, size)
-                self._mmap = mmap.mmap(fd, size)
+                self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
             finally:
                 os.close(fd)
             self.buf = np.frombuffer(self._mmap, np.uint8)
         else:
             # anonymous mmap: page-aligned (O_DIRECT writes need it), zero-filled
-            self._mmap = mmap.mmap(-1, size)
+            # MAP_POPULATE maps every page now, in bulk (about twice as fast as faulting
+            # them in one by one during the first snapshot)
+            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                   | _POPULATE)
             self.buf = np.frombuffer(self._mmap, np.uint8)
-            self.buf[::4096] = 0  # fault every page in now, not during the first snapshot
+            if not _POPULATE:
+                self.buf[::4096] = 0
         self.views: dict[str, np.ndarray] = {}
         for k, shape, dt, off, n in zip(layout.keys, layout.shapes, layout.dtypes,
                                         layout.offsets, layout.nbytes, strict=True):
