@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import math
@@ -12,7 +14,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import memtier as memtier_mod
@@ -256,7 +258,8 @@ class CheckpointManager:
         if self._engine is not None and not from_memory:
             self._engine.drain()
             self._engine.raise_pending()
-        flat = flatten(state, self._resolve)
+        with _no_gc():
+            flat = flatten(state, self._resolve)
         report: RestoreReport | None = None
         restored: int | None = None
         if from_memory:
@@ -423,8 +426,9 @@ class CheckpointManager:
             handle._finish()
             return handle
         t0 = time.perf_counter()
-        flat = flatten(state, self._resolve)
-        buf = engine.snapshot(flat, step, block=block or not periodic)
+        with _no_gc():  # the cyclic GC would rescan the heap while we allocate leaf objects
+            flat = flatten(state, self._resolve)
+            buf = engine.snapshot(flat, step, block=block or not periodic)
         if buf is None:
             stats.skipped = "previous save still persisting (on_busy='skip')"
             log.debug("pitstop: step %d: %s", step, stats.skipped)
@@ -781,6 +785,19 @@ class CheckpointManager:
 
 
 # ====================================================================== helpers
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector (reference counting goes on) for a short burst of
+    allocations, so a large heap is not rescanned in the middle of a snapshot."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in (metrics or {}).items():
