@@ -62,7 +62,11 @@ def _load_for(obj: Any) -> None:
         if target and target not in _loaded:
             _loaded.add(target)
             try:
-                importlib.import_module(target)
+                module = importlib.import_module(target)
+                if getattr(module, "__file__", None) is None:
+                    # a folder without code (a namespace package): the adapter is planned
+                    _not_built.add(root)
+                    continue
             except ModuleNotFoundError as e:
                 if e.name and e.name.startswith("pitstop"):
                     _not_built.add(root)  # that adapter is not built yet
