@@ -121,7 +121,8 @@ def floor_read(dst: list[np.ndarray], ckpt: str) -> float:
     return time.perf_counter() - t
 
 
-def measure(state: dict, workdir: str, reps: int, memory_tier: bool) -> dict:
+def measure(state: dict, workdir: str, reps: int, memory_tier: bool,
+            writer_threads: int | None = None) -> dict:
     """Each figure next to its floor, interleaved rep by rep (floor, pitstop, floor, ...) so
     drift of this shared machine hits both; ratios are medians of per-rep ratios."""
     d = os.path.join(workdir, "ckpt")
@@ -137,7 +138,8 @@ def measure(state: dict, workdir: str, reps: int, memory_tier: bool) -> dict:
         "lost_per_save", "restore")}
     out: dict = {}
     target = {"params": {k: np.zeros_like(a) for k, a in state["params"].items()}, "step": 0}
-    with pitstop.CheckpointManager(d, memory_tier=memory_tier, save_on_signals=()) as mgr:
+    with pitstop.CheckpointManager(d, memory_tier=memory_tier, save_on_signals=(),
+                                   writer_threads=writer_threads) as mgr:
         base_rss = rss()
         with PeakRSS() as peak:
             mgr.save(0, state).wait()  # allocates the staging buffer, once
@@ -279,6 +281,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
     ap.add_argument("--memory-tier", action="store_true", help="stage in /dev/shm")
+    ap.add_argument("--writer-threads", type=int, default=None)
     ap.add_argument("--no-contention", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -288,7 +291,7 @@ def main() -> None:
     for text in args.sizes.split(","):
         n = parse_size(text)
         state = make_state(n)
-        p = measure(state, workdir, args.reps, args.memory_tier)
+        p = measure(state, workdir, args.reps, args.memory_tier, args.writer_threads)
         c = {} if args.no_contention else contention(state, workdir)
         row = {"size": text, "bytes": n, **p, **c}
         rows.append(row)
