@@ -13,6 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORKS = ["torch", "tensorflow", "keras", "jax", "jaxlib", "flax", "optax", "orbax"]
 
 
+def frameworks_loaded_by(code: str) -> list[str]:
+    """Run ``code`` (which prints the loaded framework modules last) in a fresh interpreter."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize(
     "module", ["pitstop", "pitstop.core", "pitstop.core.manager", "pitstop.cli"]
 )
@@ -22,16 +30,7 @@ def test_import_pulls_in_no_framework(module):
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         f"{FRAMEWORKS!r})))"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+    assert frameworks_loaded_by(code) == []
 
 
 def test_numpy_save_restore_and_cli_import_no_framework(tmp_path):
@@ -47,13 +46,4 @@ with pitstop.CheckpointManager({str(tmp_path)!r}, memory_tier=False) as mgr:
 assert main(["verify", {str(tmp_path)!r}]) == 0
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r})))
 """
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+    assert frameworks_loaded_by(code) == []
