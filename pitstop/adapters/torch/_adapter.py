@@ -59,7 +59,7 @@ def _wrap(tree: Any, where: str) -> Any:
 def _unwrap(tree: Any) -> Any:
     """Inverse of :func:`_wrap` on a restored tree: TensorLeaf -> its (restored) tensor, a
     numpy array rebuilt from the checkpoint -> a new CPU tensor (``load_state_dict`` moves
-    it to the right device and dtype, exactly as after ``torch.load(map_location="cpu")``)."""
+    it to the right device and dtype, exactly as a CPU-mapped load of a torch file would)."""
     if isinstance(tree, TensorLeaf):
         return tree.tensor
     if isinstance(tree, (np.ndarray, np.generic)):
