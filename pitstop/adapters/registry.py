@@ -1,11 +1,27 @@
 """Maps a user object to the adapter that turns it into a state tree and back.
 
-An adapter is four methods (STYLE: one small protocol per seam)::
+An adapter is a small protocol (STYLE: one small protocol per seam)::
 
     can_handle(obj) -> bool
     capture(obj) -> tree          # arrays by reference (ArrayLeaf / np.ndarray), no copies
     apply(obj, tree) -> None      # put a restored tree back into obj, in place
-    describe(obj) -> dict         # optional: {key: (shape, dtype)} to validate before reading
+
+and, optionally::
+
+    check(obj, tree) -> None      # refuse a restore before any byte reaches a live object
+    caveats(obj) -> list[str]     # what capture cannot make exact, and the fix
+    replace_on_mismatch = True    # restore behaves like load_state_dict: replace, not match
+
+``check`` gets the checkpoint's subtree for ``obj`` with every array as a
+:class:`pitstop.core.tree.ArraySpec` (shape and dtype, no data) and every value decoded; it
+raises :class:`pitstop.IncompatibleTargetError` (the core adds the key path) when ``apply``
+would refuse that tree: the restore then stops with the target untouched. ``caveats`` is
+asked at every save; the manager warns once per distinct message (at the first save that
+shows it), so nothing resumes wrong in silence. With ``replace_on_mismatch`` set, a
+checkpoint subtree whose keys, shapes or dtypes differ from the captured one is not an
+error: ``apply`` gets the checkpoint's subtree with fresh numpy arrays, as
+``load_state_dict`` would get a loaded state dict; where they match, arrays are restored
+in place as usual.
 
 Framework adapters are imported lazily, the first time an object of that framework shows
 up, so ``import pitstop`` imports no framework. Objects with ``state_dict()`` /
@@ -19,6 +35,9 @@ from typing import Any, Protocol
 
 
 class Adapter(Protocol):
+    """The required part of an adapter; ``check``, ``caveats`` and ``replace_on_mismatch``
+    are optional (see the module docstring)."""
+
     def can_handle(self, obj: Any) -> bool: ...
 
     def capture(self, obj: Any) -> Any: ...

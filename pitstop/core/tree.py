@@ -109,6 +109,15 @@ class NumpyLeaf(ArrayLeaf):
         np.copyto(self.array, value, casting="equiv")
 
 
+@dataclass(frozen=True)
+class ArraySpec:
+    """An array of a checkpoint known by shape and dtype only (what ``Adapter.check`` sees
+    before any data is read)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
 @dataclass
 class ValueLeaf:
     """A JSON-able value (any subtree without arrays). Restored by replacing the entry."""
