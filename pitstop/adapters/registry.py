@@ -31,6 +31,7 @@ up, so ``import pitstop`` imports no framework. Objects with ``state_dict()`` /
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -57,6 +58,11 @@ LAZY: dict[str, str] = {
 }
 INSTALL_HINT = {"torch": "torch", "tensorflow": "tf", "keras": "keras", "jax": "jax",
                 "jaxlib": "jax", "flax": "jax", "optax": "jax"}
+
+#: callables turning an exception that ended training into a hint (or None), used when a
+#: signal's save could not happen because training died first (e.g. a DataLoader worker
+#: killed by a signal sent to the whole process group); framework adapters add theirs
+exception_hints: list[Callable[[BaseException], str | None]] = []
 
 _adapters: list[Adapter] = []
 _not_built: set[str] = set()

@@ -5,7 +5,12 @@ buffer). One background thread takes snapshots in order and persists each: hash 
 (in parallel, releasing the GIL), seal the memory-tier copy, write the data files in large
 sequential chunks on ``writer_threads`` threads, fsync, write the manifest last, publish
 atomically, then run the ``on_commit`` callback (index, retention). Failures are logged at
-once and kept until the manager raises them on its next call.
+once and reach the caller exactly once: through the save's handle (``wait``/``result``), or,
+if nobody waited on it, at the manager's next call that saves or waits.
+
+The engine's threads are its own daemon threads (:class:`Workers`), not a
+``ThreadPoolExecutor``: at interpreter exit the executors refuse new work before ``atexit``
+runs, and pitstop commits the saves it accepted from ``atexit`` (see the manager).
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import partial
@@ -65,6 +70,55 @@ def wait_event(event: threading.Event, timeout: float | None = None) -> bool:
             return event.is_set()
         if event.wait(left):
             return True
+
+
+class Workers:
+    """A few daemon threads running submitted calls; their futures are standard ones.
+
+    A ``ThreadPoolExecutor`` would do, except that interpreter shutdown stops it *before*
+    ``atexit`` handlers run, and pitstop's handler must still hash and write the saves a
+    script accepted without calling ``close()``.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                       | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+                         for i in range(max(1, n))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        self._queue.put((f, fn, args))
+        return f
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``fn`` over ``items``; waits for *every* call before raising the first failure."""
+        futures = [self.submit(fn, item) for item in items]
+        wait_all(futures)
+        return [f.result() for f in futures]
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            f, fn, args = item
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                f.set_exception(e)
+            del item, f, fn, args
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
 
 
 @dataclass
@@ -117,6 +171,7 @@ class SaveHandle:
         if not wait_event(self._event, timeout):
             return False
         if self._error is not None:
+            self._error.delivered = True  # type: ignore[attr-defined]
             raise self._error
         return True
 
@@ -158,7 +213,7 @@ class Engine:
 
     def __init__(self, storage: Storage, *, hash_algorithm: str, compression: str | None,
                  writer_threads: int, pool: StagingPool, directory_id: str,
-                 on_commit: Callable[[Manifest, str], None],
+                 on_commit: Callable[[Manifest, str, SaveStats], None],
                  tier: Any = None, name_of: Callable[[int], str],
                  copy_threads: int | None = None) -> None:
         self.storage = storage
@@ -173,18 +228,19 @@ class Engine:
         self.hooks: dict[str, Callable[..., Any]] = {}
         self._last_sig: list[Any] | None = None
         self._last_layout: Layout | None = None
-        self.error: CheckpointWriteError | None = None
+        #: background failures nobody has been told of yet, oldest first
+        self._errors: list[CheckpointWriteError] = []
         self._queue: queue.Queue[PersistJob | None] = queue.Queue()
         self._pending: list[SaveHandle] = []
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="pitstop-io")
+        self._executor = Workers(self.writer_threads, "pitstop-io")
         # the snapshot's own helpers: never queued behind a persist's hashing or writing
         self.copy_threads = max(1, copy_threads if copy_threads is not None
                                 else min(4, os.cpu_count() or 1))
-        self._copier = ThreadPoolExecutor(max(1, self.copy_threads - 1),
-                                          thread_name_prefix="pitstop-copy")
+        self._copier = Workers(max(1, self.copy_threads - 1), "pitstop-copy")
         self._thread = threading.Thread(target=self._run, name="pitstop-persist", daemon=True)
         self._thread.start()
+        self._closed = False
 
     # ------------------------------------------------------------------ caller's thread
     def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
@@ -200,6 +256,7 @@ class Engine:
         buf = self.pool.acquire(layout, block)
         if buf is None:
             return None
+        key = None
         try:
             if self.tier is not None and buf.shm_path is not None:
                 self.tier.invalidate(buf)
@@ -207,14 +264,25 @@ class Engine:
             if buf.layout.total >= PARALLEL_COPY_MIN and self.copy_threads > 1:
                 self._copy_parallel(arrays, buf)
             else:
-                for leaf, view in zip(arrays.values(), buf.view_list, strict=True):
+                for key, leaf, view in zip(arrays, arrays.values(), buf.view_list,  # noqa: B007
+                                           strict=True):
                     leaf.snapshot_into(view)
+                key = None
             for leaf in arrays.values():
                 fence = leaf.snapshot_fence
                 if fence is not None and fence not in fences:
                     fences.append(fence)
             for fence in fences:
                 fence()
+        except CheckpointError:
+            self.pool.release(buf)
+            raise
+        except Exception as e:
+            self.pool.release(buf)
+            where = f" of {key!r}" if key is not None else ""
+            raise CheckpointError(
+                f"the snapshot{where} for step {step} failed: {type(e).__name__}: {e}. Nothing "
+                "was saved; committed checkpoints are intact.") from e
         except BaseException:
             self.pool.release(buf)
             raise
@@ -259,6 +327,16 @@ class Engine:
 
     def submit(self, job: PersistJob) -> None:
         job.t_start = time.perf_counter()
+        if self.tier is not None and job.buffer.shm_path is not None and job.hashes is None:
+            # the snapshot is complete in shared memory: describe it now, before save()
+            # returns, so a SIGKILL from here on loses nothing of it (same host and boot: a
+            # crash cannot tear a tmpfs copy that was complete)
+            try:
+                self.tier.describe(job.buffer, job)
+            except OSError as e:  # the tier is an optimisation: the save goes on without it
+                log.warning("pitstop: could not describe step %d in the memory tier (%s); "
+                            "it is persisted as usual, but a crash before its commit loses "
+                            "it", job.step, e)
         with self._lock:
             self._pending.append(job.handle)
         self._queue.put(job)
@@ -267,6 +345,20 @@ class Engine:
         with self._lock:
             self._pending = [h for h in self._pending if not h.done()]
             return len(self._pending)
+
+    def pending_steps(self) -> set[int]:
+        """Steps submitted and not yet finished (committed, failed or skipped)."""
+        with self._lock:
+            self._pending = [h for h in self._pending if not h.done()]
+            return {h.step for h in self._pending}
+
+    def hash_all(self, buf: StagingBuffer) -> dict[str, str]:
+        """Every array's hash in ``buf``, groups in parallel (a recovered, unsealed snapshot)."""
+        hashes: dict[str, str] = {}
+        for h, _finite in self._executor.map(lambda g: self._hash_group(buf, g, False, True),
+                                             buf.layout.groups()):
+            hashes.update(h)
+        return hashes
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every submitted save has committed or failed."""
@@ -277,25 +369,43 @@ class Engine:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             wait_event(h._event, left)
 
-    def raise_pending(self) -> None:
-        """Raise (once) the first background failure not yet reported to the caller."""
+    @property
+    def error(self) -> CheckpointWriteError | None:
+        """The oldest background failure not yet reported to the caller."""
         with self._lock:
-            err, self.error = self.error, None
-        if err is not None:
-            raise err
+            self._errors = [e for e in self._errors if not getattr(e, "delivered", False)]
+            return self._errors[0] if self._errors else None
 
-    def forget(self, err: BaseException) -> None:
-        """``err`` reached the caller another way (a synchronous save): do not raise it again."""
+    def raise_pending(self) -> None:
+        """Raise the background failures nobody was told of yet (each reaches the caller
+        once: a failure already raised by its handle's ``wait`` is not raised again)."""
+        if not self._errors:  # the per-step fast path: no lock, no allocation
+            return
         with self._lock:
-            if self.error is err:
-                self.error = None
+            errors = [e for e in self._errors if not getattr(e, "delivered", False)]
+            self._errors = []
+            for e in errors:
+                e.delivered = True  # type: ignore[attr-defined]
+        if not errors:
+            return
+        first = errors[0]
+        if len(errors) > 1:
+            later = ", ".join(str(e.step) for e in errors[1:])
+            note = getattr(first, "add_note", None)
+            if note is not None:  # Python 3.11+
+                note(f"pitstop: the saves of step(s) {later} failed too (see the log)")
+        raise first
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.drain()
         self._queue.put(None)
-        self._thread.join()
-        self._executor.shutdown(wait=True)
-        self._copier.shutdown(wait=True)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._executor.shutdown()
+        self._copier.shutdown()
 
     # ------------------------------------------------------------------ background
     def _run(self) -> None:
@@ -305,8 +415,9 @@ class Engine:
                 return
             name = self.name_of(job.step)
             error: BaseException | None = None
+            manifest = None
             try:
-                self._persist(job, name)
+                manifest = self._persist(job, name)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                 err = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
                     f"saving step {job.step} to {self.storage.path_of(name)} failed: "
@@ -317,8 +428,7 @@ class Engine:
                 if not isinstance(e, _Skip):
                     log.error("pitstop: %s", err)
                     with self._lock:
-                        if self.error is None:
-                            self.error = err
+                        self._errors.append(err)
                     error = err
                 else:
                     job.handle.stats.skipped = str(e)
@@ -326,11 +436,20 @@ class Engine:
             finally:
                 if job.release_buffer:
                     self.pool.release(job.buffer)
+            if manifest is not None:
+                # index and retention, only ever after the commit. Trouble there is not the
+                # save's: the checkpoint is committed (the callback warns and retries later)
+                try:
+                    self.on_commit(manifest, name, job.handle.stats)
+                except BaseException:  # noqa: BLE001
+                    log.exception("pitstop: step %d is committed, but bookkeeping after the "
+                                  "commit failed", job.step)
             # finish only once the buffer is free again: a caller woken by wait() must find
             # the engine idle (a periodic save right after it is never skipped as "busy")
             job.handle._finish(error)
+            del job
 
-    def _persist(self, job: PersistJob, name: str) -> None:
+    def _persist(self, job: PersistJob, name: str) -> Manifest:
         buf, layout = job.buffer, job.buffer.layout
         hook = self.hooks.get("before_persist")
         if hook is not None:
@@ -339,8 +458,8 @@ class Engine:
         # 1. hash (and check finiteness) in parallel; byte-balanced groups become the data files
         groups = layout.groups()
         if job.hashes is None:
-            parts = list(self._executor.map(lambda g: self._hash_group(buf, g, job.check_finite),
-                                            groups))
+            parts = self._executor.map(lambda g: self._hash_group(buf, g, job.check_finite),
+                                       groups)
             hashes: dict[str, str] = {}
             finite = True
             for h, f in parts:
@@ -398,18 +517,15 @@ class Engine:
         log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
                  job.step, stats.bytes / 2**20, stats.stall_s, stats.persist_s,
                  stats.throughput / 2**20)
-        # 4. index and retention: only ever after the commit (the handle finishes after it)
-        self.on_commit(manifest, name)
+        return manifest
 
     def _map_all(self, fn: Callable[[Any], Any], items: Any) -> list[Any]:
         """``fn`` over ``items`` on the I/O threads; waits for *every* call before raising the
         first failure, so an abort never races writers still filling the temporary dir."""
-        futures = [self._executor.submit(fn, item) for item in items]
-        wait_all(futures)
-        return [f.result() for f in futures]
+        return self._executor.map(fn, items)
 
-    def _hash_group(self, buf: StagingBuffer, group: list[int],
-                    check_finite: bool) -> tuple[dict[str, str], bool]:
+    def _hash_group(self, buf: StagingBuffer, group: list[int], check_finite: bool,
+                    raw_hashes: bool = False) -> tuple[dict[str, str], bool]:
         layout = buf.layout
         out: dict[str, str] = {}
         finite = True
@@ -418,7 +534,7 @@ class Engine:
             raw = buf.buf[off:off + n]
             # the raw bytes' hash: the manifest's when uncompressed (compressed payloads are
             # hashed while writing), and always the memory tier's seal
-            if self.compression in (None, "none") or self.tier is not None:
+            if raw_hashes or self.compression in (None, "none") or self.tier is not None:
                 out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
             # the non-finite guard holds with or without compression
             if check_finite and finite:

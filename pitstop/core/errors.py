@@ -7,8 +7,17 @@ class CheckpointError(Exception):
     """Base class of every error pitstop raises on purpose."""
 
 
+class InvalidArgumentError(CheckpointError, ValueError):
+    """A bad argument to a pitstop call (a step that is not an int, a metric that is not a
+    number, ...). Also a ``ValueError``, so code that catches either keeps working."""
+
+
 class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's bytes or manifest do not match what was committed (hash, size, schema)."""
+    """A checkpoint's bytes or manifest do not match what was committed (hash, size, schema).
+
+    ``overwritten`` lists the target's entries that a restore had already written when the
+    corruption was found (empty when it was found before any byte reached the target).
+    """
 
     def __init__(self, message: str, *, checkpoint: str | None = None, key: str | None = None,
                  file: str | None = None) -> None:
@@ -16,6 +25,7 @@ class CorruptCheckpointError(CheckpointError):
         self.checkpoint = checkpoint
         self.key = key
         self.file = file
+        self.overwritten: list[str] = []
 
 
 class IncompatibleTargetError(CheckpointError):

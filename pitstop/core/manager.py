@@ -1,38 +1,50 @@
-"""CheckpointManager: policy, snapshot engine, storage, retention and restore, tied together."""
+"""CheckpointManager: the face that joins policy, engine, storage and reader.
+
+What it does beside tying those together lives in rooms of its own: signal handling
+(:mod:`.signals`), the directory's index, retention and checkpoints moved aside
+(:mod:`.catalog`), memory-tier recovery (:mod:`.recovery`) and the restore itself
+(:mod:`.restore`).
+
+A manager belongs to the process that created it. In a forked child every call but
+``close()`` (a no-op there) raises, and nothing the child does, garbage collection and exit
+included, touches the parent's buffers, tier files, lock or directory. A manager that is
+dropped or still open when the interpreter exits commits the saves it accepted and
+releases what it holds.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import math
+import operator
 import os
-import re
-import signal
-import threading
 import time
-import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import memtier as memtier_mod
+from .catalog import Catalog, create_identity, read_identity
 from .engine import Engine, PersistJob, SaveHandle, SaveStats
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    IncompatibleTargetError,
+    InvalidArgumentError,
     StepExistsError,
     UnsupportedFormatError,
 )
 from .hashing import ALGORITHMS, DEFAULT
 from .manifest import Manifest
 from .memtier import MemoryTier
+from .names import step_name
 from .policy import (
     AnyOf,
     AutoInterval,
-    CheckpointInfo,
     EveryNSteps,
     EverySeconds,
     KeepBest,
@@ -42,23 +54,18 @@ from .policy import (
     RetentionPolicy,
     SaveContext,
     SavePolicy,
-    to_delete,
+    number_metric,
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
+from .recovery import Recovered, recover
+from .signals import CONTINUE_SIGNALS, DEFAULT_SIGNALS, SignalSaver, signal_name
 from .snapshot import StagingPool
 from .storage import Storage, open_storage
-from .tree import FlatState, decode_value, flatten
+from .tree import FlatState, flatten
 
 log = logging.getLogger("pitstop")
 
-_NAME = re.compile(r"^step_(\d+)$")
-DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-#: signals after whose save the process goes on training (a "checkpoint now" request)
-CONTINUE_SIGNALS = {"SIGUSR1"}
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:010d}"
+__all__ = ["CheckpointManager", "step_name", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS"]
 
 
 def _resolver() -> Callable[[Any], Any]:
@@ -103,16 +110,13 @@ class CheckpointManager:
         read_only: bool = False,
         on_save: Callable[[SaveStats], None] | None = None,
     ) -> None:
-        if hash_algorithm not in ALGORITHMS:
-            raise ValueError(f"hash_algorithm must be one of {sorted(ALGORITHMS)}")
-        if on_busy not in ("skip", "wait"):
-            raise ValueError("on_busy must be 'skip' or 'wait'")
-        if keep_best is not None and not best_metric:
-            raise ValueError("keep_best needs best_metric (the metric name to rank by)")
-        if best_mode not in ("min", "max"):
-            raise ValueError("best_mode must be 'min' or 'max'")
-        self.storage = open_storage(directory, durable=durable, create=not read_only) \
-            if not isinstance(directory, Storage) else directory
+        self._owner_pid = os.getpid()
+        self._closed = False
+        self._engine: Engine | None = None
+        self._recovered: Recovered | None = None
+        _check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
+                         compression, max_in_flight)
+        self.storage = _open(directory, durable=durable, create=not read_only)
         self.directory = self.storage.location
         self.read_only = read_only
         self.async_save = async_save
@@ -121,62 +125,63 @@ class CheckpointManager:
         self.best_metric, self.best_mode = best_metric, best_mode
         self.on_save = on_save
         self.stats: list[SaveStats] = []
-        self._closed = False
-        #: the signal whose save is under way (a repeat of it acts at once)
-        self._handling_signal: int | None = None
-        #: a repeated signal stopped waiting for the save: exit without waiting for it
-        self._abandoned = False
-        self._lock = None
-        self._state_lock = threading.RLock()
-        self._index: dict[int, CheckpointInfo] = {}
         self._resolve = _resolver()
-        self._last_flat_structure = None
-        self._recovered: tuple[Any, Any, int] | None = None
+        #: a run continued from this older step: the newer checkpoints of the abandoned run
+        #: are moved aside at its first save
+        self._rolled_back_to: int | None = None
+        self._warned: set[str] = set()
 
-        # retention
-        self.retention: list[RetentionPolicy] = list(retention or [])
+        retention_list: list[RetentionPolicy] = list(retention or [])
         if keep_last is not None:
-            self.retention.append(KeepLast(keep_last))
+            retention_list.append(KeepLast(keep_last))
         if keep_every_steps is not None:
-            self.retention.append(KeepEverySteps(keep_every_steps))
+            retention_list.append(KeepEverySteps(keep_every_steps))
         if keep_best is not None:
-            self.retention.append(KeepBest(keep_best, best_metric or "", best_mode))
+            retention_list.append(KeepBest(keep_best, best_metric or "", best_mode))
+        self.retention = retention_list
 
         if read_only:
-            self.directory_id = self._read_identity() or ""
-            self._engine = None
-            self._tier = None
-            self._reconcile_index(write=False)
+            self.directory_id = read_identity(self.storage, required=False) or ""
+            self._catalog = Catalog(self.storage, self.directory_id, retention_list,
+                                    read_only=True)
+            _wrap_os(self._catalog.reconcile, self.directory, write=False)
             self._policy: SavePolicy | None = None
-            self._signals: dict[int, Any] = {}
-            self._pending_signal: int | None = None
+            self._signals = SignalSaver(None)
+            self._res = _Resources(self._owner_pid, self.directory)
+            self._finalizer = weakref.finalize(self, _Resources.release, self._res, True)
             return
 
-        self._lock = self.storage.lock()
+        lock = _wrap_os(self.storage.lock, self.directory)
+        self._res = _Resources(self._owner_pid, self.directory, lock=lock)
+        self._finalizer = weakref.finalize(self, _Resources.release, self._res, True)
         try:
-            self.directory_id = self._read_identity() or self._create_identity()
-            removed = self.storage.cleanup_incomplete()
+            self.directory_id = read_identity(self.storage, required=True) or \
+                _wrap_os(create_identity, self.directory, self.storage)
+            removed = _wrap_os(self.storage.cleanup_incomplete, self.directory)
             if removed:
                 log.warning("pitstop: removed %d leftover(s) of interrupted saves in %s: %s",
                             len(removed), self.directory, ", ".join(removed))
-            self._reconcile_index(write=True)
+            self._catalog = Catalog(self.storage, self.directory_id, retention_list,
+                                    read_only=False, on_save=on_save)
+            _wrap_os(self._catalog.reconcile, self.directory, write=True)
 
             # memory tier
             root = memtier_mod.default_root() if memory_tier in (None, True) else (
                 memory_tier if isinstance(memory_tier, str) else None)
             if memory_tier is True and root is None:
-                raise ValueError("memory_tier=True but /dev/shm is not available; pass a "
-                                 "directory on a tmpfs, or memory_tier=False")
-            self._tier = MemoryTier(root, self.directory, self.directory_id) if root else None
-            pin_hooks = _pin_hooks()
-            self.pool = StagingPool(max_in_flight, self._tier.prefix if self._tier else None,
-                                    pin_hooks)
+                raise InvalidArgumentError(
+                    "memory_tier=True but /dev/shm is not available; pass a directory on a "
+                    "tmpfs, or memory_tier=False")
+            tier = MemoryTier(root, self.directory, self.directory_id) if root else None
+            self.pool = StagingPool(max_in_flight, tier.prefix if tier else None, _pin_hooks(),
+                                    on_tier_failure=_TierFallback(root) if tier else None)
             self._engine = Engine(
                 self.storage, hash_algorithm=hash_algorithm, compression=compression,
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
-                directory_id=self.directory_id, on_commit=self._on_commit, tier=self._tier,
+                directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
                 name_of=step_name, copy_threads=copy_threads)
             self.hooks = self._engine.hooks
+            self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
 
             # when to save
             policies: list[SavePolicy] = []
@@ -188,44 +193,52 @@ class CheckpointManager:
             if self._auto is not None:
                 policies.append(self._auto)
             if keep_best is not None and best_metric:
-                policies.append(OnImprovement(best_metric, best_mode, self._best_so_far()))
+                policies.append(OnImprovement(best_metric, best_mode, self._catalog.best_so_far(
+                    best_metric, best_mode)))
             if save_policy is not None:
                 policies.append(save_policy)
             self._policy = AnyOf(*policies) if policies else None
-            self._ctx = SaveContext(last_save_step=self.latest_step())
 
-            self._signals = {}
-            self._pending_signal = None
-            self._install_signals(save_on_signals)
-            if self._tier is not None:
-                self._recover_tier()
+            self._signals = SignalSaver(save_on_signals)
+            self._res.signals = self._signals
+            if tier is not None:
+                committed = self._catalog.committed_steps()
+                self._recovered = recover(tier, self.pool, self._engine,
+                                          committed[-1] if committed else None)
+                self._res.recovered = self._recovered
+            self._ctx = SaveContext(last_save_step=self.latest_step())
         except BaseException:
-            self._release_lock()
+            self._finalizer.detach()
+            self._res.release(False)
             raise
 
     # ================================================================== public API
     def step(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None
              ) -> SaveHandle | None:
-        """Call once per training step; saves when a policy (or a signal) says so.
+        """Call once per training step, at its end; saves when a policy (or a signal) says so.
 
         Returns the save's handle, or None on the (almost free) steps that do not save.
         """
-        engine = self._engine
-        if engine is None:
-            raise CheckpointError("this CheckpointManager is read_only")
-        if engine.error is not None:
-            engine.raise_pending()
-        if self._pending_signal is not None:
+        engine = self._writer()
+        step = _step_arg(step)
+        engine.raise_pending()
+        if self._signals.pending is not None:
             return self._handle_signal(step, state, metrics)
         policy = self._policy
         if policy is None:
             return None
         ctx = self._ctx
         ctx.now = time.monotonic()
-        ctx.metrics = metrics  # type: ignore[assignment]
+        ctx.metrics = _clean_metrics(metrics, self.best_metric) if metrics else None
         if not policy.should_save(step, ctx):
             return None
-        if step in self._index:
+        if step in self._catalog.index or step in engine.pending_steps():
+            self._warn_once(
+                f"exists:{step}",
+                f"pitstop: step {step} already has a checkpoint in {self.directory}; it is not "
+                "overwritten and this step is not saved. A run that continues from an older "
+                "step should restore() or rollback() it through the manager, which then moves "
+                "the abandoned run's newer checkpoints aside.")
             return None
         return self._save(step, state, metrics, block=self.on_busy == "wait", periodic=True)
 
@@ -233,13 +246,19 @@ class CheckpointManager:
              user_metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Save now. Blocks for the snapshot only (and for a free staging buffer); the
         returned handle's ``wait()`` / ``result()`` wait for the commit."""
-        if self._engine is None:
-            raise CheckpointError("this CheckpointManager is read_only")
-        self._engine.raise_pending()
-        if step in self._index:
+        engine = self._writer()
+        step = _step_arg(step)
+        engine.raise_pending()
+        if step in self._catalog.index:
             raise StepExistsError(
                 f"{self.storage.path_of(step_name(step))} already exists; pitstop never "
                 "overwrites a committed checkpoint. Save under a new step, or delete it first.")
+        if step in engine.pending_steps():
+            raise StepExistsError(
+                f"step {step} is already being saved to {self.storage.path_of(step_name(step))} "
+                "(by an earlier save or step() call); pitstop never saves a step twice. "
+                "mgr.wait() waits for it; to save the final state of a run, check "
+                "mgr.latest_step() != step first.")
         handle = self._save(step, state, metrics, block=True, periodic=False,
                             user_metadata=user_metadata)
         assert handle is not None
@@ -250,60 +269,74 @@ class CheckpointManager:
         """Restore the newest valid checkpoint (or ``step``) into ``state`` in place.
 
         Returns the restored step (an int that also lists missing/unexpected/mismatched keys
-        under ``strict=False``), or None when there is nothing to restore. A corrupt newest
-        checkpoint is reported and the previous valid one used; an explicit ``step`` raises.
+        under ``strict=False``), or None when there is nothing to restore. Everything that
+        can be checked without the data is checked before a byte reaches ``state``; a
+        refused restore leaves it as it was. A corrupt newest checkpoint is reported and the
+        previous valid one used; an explicit ``step`` raises.
         """
+        self._check_usable()
+        step = None if step is None else _step_arg(step)
         recovered = self._recovered
-        from_memory = recovered is not None and (step is None or step == recovered[2])
-        if self._engine is not None and not from_memory:
-            self._engine.drain()
-            self._engine.raise_pending()
+        from_memory = recovered is not None and (step is None or step == recovered.step)
+        engine = self._engine
+        if engine is not None and not from_memory:
+            engine.drain()  # a save still persisting may be the newest
         with _no_gc():
-            flat = flatten(state, self._resolve)
-        report: RestoreReport | None = None
+            flat = _wrap_os(flatten, self.directory, state, self._resolve)
         restored: int | None = None
+        report: RestoreReport | None = None
         if from_memory:
             # straight from the verified shared-memory copy, while its persist to disk goes
             # on in the background: no waiting for the disk
-            restored, report = self._restore_recovered(flat, strict)
+            assert recovered is not None
+            restored, report = self._restore_recovered(recovered, flat, strict)
         if restored is None:
-            if self._engine is not None and from_memory:
-                self._engine.drain()
-                self._engine.raise_pending()
+            if engine is not None and from_memory:
+                engine.drain()
             restored, report = self._restore_from_disk(flat, step, strict)
         if restored is None:
             return None
         assert report is not None
-        self._apply_adapters(flat)
-        if self._engine is not None:
-            self._ctx.last_save_step = restored
-            self._ctx.last_save_time = time.monotonic()
+        self._restored(restored)
         return RestoredStep(restored, report)
 
     def rollback(self, state: Any) -> RestoredStep | None:
         """Restore the newest checkpoint whose arrays were all finite (non-finite guard)."""
-        self.wait()  # a save still persisting may be the newest finite one
-        finite = sorted((s for s, i in self._index.items() if i.all_finite), reverse=True)
+        self._check_usable()
+        if self._engine is not None:
+            self._engine.drain()  # a save still persisting may be the newest finite one
+        finite = self._catalog.finite_steps()
         if not finite:
             return None
-        return self.restore(state, step=finite[0])
+        return self.restore(state, step=finite[-1])
 
     def load(self, step: int | None = None) -> Any:
         """A fresh nested dict of numpy arrays and values (no target needed)."""
+        self._check_usable()
+        step = None if step is None else _step_arg(step)
+        recovered = self._recovered
+        if recovered is not None and (step == recovered.step or (
+                step is None and self.latest_step() == recovered.step)):
+            return recovered.reader.load()
         if self._engine is not None:
             self._engine.drain()
-        steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
-        if step is not None and step not in self.all_steps():
-            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
+        steps = self._committed()
+        if step is not None and step not in steps:
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
         last: Exception | None = None
-        for s in steps:
+        for s in [step] if step is not None else reversed(steps):
             try:
-                return CheckpointReader(self.storage, step_name(s)).load()
+                with self.storage.read_lease(step_name(s)):
+                    return CheckpointReader(self.storage, step_name(s)).load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
                     raise
                 warnings.warn(f"pitstop: skipping unreadable checkpoint: {e}", stacklevel=2)
                 last = e
+            except OSError as e:
+                raise CheckpointError(f"cannot read {self.storage.path_of(step_name(s))}: "
+                                      f"{e}") from e
         if isinstance(last, UnsupportedFormatError):
             raise last
         if last is not None:
@@ -311,67 +344,69 @@ class CheckpointManager:
         raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
 
     def latest_step(self) -> int | None:
+        """The step ``restore()`` / ``load()`` would return: the newest committed step, or a
+        newer one still being saved (they wait for it) or recovered from the memory tier."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        out = []
-        for name in self.storage.list_checkpoints():
-            m = _NAME.match(name)
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        """Committed steps, and steps being saved or recovered from memory, oldest first."""
+        self._check_usable()
+        steps = set(self._committed())
+        if self._engine is not None:
+            steps |= self._engine.pending_steps()
+        if self._recovered is not None:
+            steps.add(self._recovered.step)
+        return sorted(steps)
 
     def metadata(self, step: int) -> Manifest:
         """The parsed manifest of one checkpoint (metrics, user metadata, arrays)."""
+        self._check_usable()
+        step = _step_arg(step)
+        recovered = self._recovered
+        if recovered is not None and step == recovered.step and \
+                step not in self._catalog.index:
+            return recovered.reader.manifest
+        if self._engine is not None and step in self._engine.pending_steps():
+            self._engine.drain()
+        if step not in self._committed():
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
         return CheckpointReader(self.storage, step_name(step)).manifest
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for every pending save to commit; raises a background failure."""
+        """Wait for every pending save to commit; raises a background failure not yet
+        reported (each is reported once)."""
+        self._check_usable()
         if self._engine is not None:
             self._engine.drain(timeout)
             self._engine.raise_pending()
 
     def close(self) -> None:
-        """Wait for pending saves, release the directory and the memory tier."""
-        if self._closed:
+        """Wait for pending saves, release the directory and the memory tier.
+
+        In a forked child this does nothing: the manager and all it holds are the parent's.
+        """
+        if os.getpid() != self._owner_pid or self._closed:
             return
         self._closed = True
-        error: BaseException | None = None
         # a terminating signal that arrived after the last step(): pitstop only deferred it
-        pending = self._pending_signal
-        previous = self._signals.get(pending, signal.SIG_DFL) if pending is not None else None
-        try:
-            if self._engine is not None:
-                self._engine.close()
-                try:
-                    self._engine.raise_pending()
-                except CheckpointError as e:
-                    error = e
-                if self._recovered is not None:
-                    self.pool.release(self._recovered[0])
-                    self._recovered = None
-                # the tier outlives crashes, not a clean close; keep it if the last save failed
-                self.pool.close(unlink=error is None)
-                if self._tier is not None and error is None:
-                    self._tier.remove_all()
-        finally:
-            self._uninstall_signals()
-            self._release_lock()
+        pending = self._signals.pending
+        self._finalizer.detach()
+        error = self._res.release(False)
         if error is not None:
             raise error
-        if pending is not None and signal.Signals(pending).name not in CONTINUE_SIGNALS:
+        if pending is not None and signal_name(pending) not in CONTINUE_SIGNALS:
             log.warning("pitstop: %s received after the last step; pending saves are "
-                        "committed, acting on it now", signal.Signals(pending).name)
-            self._pending_signal = None
-            self._exit_like(pending, previous)
+                        "committed, acting on it now", signal_name(pending))
+            self._signals.exit_like(pending)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._abandoned:
+        if os.getpid() != self._owner_pid:
+            return  # a forked child leaving `with mgr:` touches nothing of the parent's
+        if self._signals.abandoned:
             # a second Ctrl+C while the signal's save persisted: the user wants out now.
             # Do not wait for it; close() can still be called later to wait and release.
             log.warning("pitstop: interrupted twice; not waiting for the pending save "
@@ -380,11 +415,15 @@ class CheckpointManager:
         if exc_type is not None and self._engine is not None:
             # the last consistent state is the last snapshot taken at a step boundary:
             # make sure it is committed before the exception propagates
-            try:
-                self._engine.drain()
-            finally:
-                log.warning("pitstop: %s during training; newest committed step: %s",
-                            exc_type.__name__, self.latest_step())
+            self._engine.drain()
+            pending = self._signals.pending
+            if pending is not None:
+                log.error("pitstop: %s", _lost_signal_message(pending, self._signals, exc,
+                                                               self._committed()))
+                self._signals.pending = None
+            elif not isinstance(exc, (KeyboardInterrupt, CheckpointError)):
+                log.warning("pitstop: leaving the `with` block on %s; the newest committed "
+                            "step is %s", exc_type.__name__, self.latest_step())
             try:
                 self.close()
             except CheckpointError as e:
@@ -392,31 +431,23 @@ class CheckpointManager:
             return
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            if not self._closed and not self._abandoned and self._engine is not None:
-                self._pending_signal = None  # never kill or raise from the garbage collector
-                self.close()
-        except Exception:  # noqa: BLE001
-            pass
-
     # ================================================================== saving
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None, *, block: bool,
               periodic: bool, user_metadata: Mapping[str, Any] | None = None
               ) -> SaveHandle | None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
         engine = self._engine
         assert engine is not None
-        if self._closed:
-            raise CheckpointError("this CheckpointManager is closed")
-        if self._recovered is not None:  # first save after a recovery without restore
+        clean_metrics = _clean_metrics(metrics, self.best_metric)
+        user_meta = _check_user_metadata(user_metadata)
+        recovered = self._recovered
+        if recovered is not None:  # first save after a recovery
             # the recovered snapshot may still be persisting from that very buffer: let it
             # commit before a new snapshot may overwrite it
             engine.drain()
-            self.pool.release(self._recovered[0])
-            self._recovered = None
-        clean_metrics = _metrics(metrics)
+            self.pool.release(recovered.buffer)
+            self._recovered = self._res.recovered = None
+        if self._rolled_back_to is not None:
+            self._abandon_newer_than(self._rolled_back_to)
         stats = SaveStats(step=step)
         handle = SaveHandle(step, stats)
         if self.nonfinite_guard and any(
@@ -428,6 +459,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         with _no_gc():  # the cyclic GC would rescan the heap while we allocate leaf objects
             flat = flatten(state, self._resolve)
+            if flat.caveats:
+                self._warn_caveats(flat)
+            values = {k: _freeze(v) for k, v in flat.values.items()}
             buf = engine.snapshot(flat, step, block=block or not periodic)
         if buf is None:
             stats.skipped = "previous save still persisting (on_busy='skip')"
@@ -437,17 +471,19 @@ class CheckpointManager:
         stats.stall_s = time.perf_counter() - t0
         stats.bytes = buf.layout.total
         stats.arrays = len(flat.arrays)
-        job = PersistJob(step=step, buffer=buf, values=flat.values, structure=flat.structure,
-                         metrics=clean_metrics, handle=handle,
-                         user_metadata=dict(user_metadata or {}),
-                         check_finite=self.nonfinite_guard)
         # values are captured by reference; the snapshot must not see later mutations
-        job.values = {k: _freeze(v) for k, v in flat.values.items()}
+        job = PersistJob(step=step, buffer=buf, values=values, structure=flat.structure,
+                         metrics=clean_metrics, handle=handle, user_metadata=user_meta,
+                         check_finite=self.nonfinite_guard)
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
         if len(self.stats) > 1000:
             del self.stats[:500]
-        engine.submit(job)
+        try:
+            engine.submit(job)
+        except BaseException:
+            self.pool.release(buf)
+            raise
         ctx = self._ctx
         ctx.last_save_step = step
         ctx.last_save_time = time.monotonic()
@@ -459,332 +495,422 @@ class CheckpointManager:
         if self._auto is not None:
             self._auto.update(stats.stall_s)
         if not self.async_save:
-            try:
-                handle.wait()
-            except CheckpointError as e:
-                engine.forget(e)  # reported right here; the next call must not raise it again
-                raise
+            handle.wait()  # raises the failure right here (and only here)
         return handle
 
-    def _on_commit(self, manifest: Manifest, name: str) -> None:
-        """Background thread, after a commit: index, then retention."""
-        info = CheckpointInfo(step=manifest.step, metrics=manifest.metrics, ours=True,
-                              all_finite=manifest.all_finite)
-        with self._state_lock:
-            self._index[manifest.step] = info
-            doomed = to_delete(list(self._index.values()), self.retention)
-            for s in doomed:
-                if not self._written_here(s):
-                    # the index said ours, the directory says otherwise (copied in, replaced)
-                    old = self._index[s]
-                    self._index[s] = CheckpointInfo(s, old.metrics, False, old.all_finite,
-                                                    old.protected)
-                    log.warning("pitstop: retention leaves %s alone: this manager did not "
-                                "write it", self.storage.path_of(step_name(s)))
-                    continue
-                try:
-                    if self.storage.delete_if_unread(step_name(s)):
-                        del self._index[s]
-                        log.info("pitstop: retention deleted step %d", s)
-                    else:
-                        log.info("pitstop: retention keeps step %d for now: it is being read", s)
-                except FileNotFoundError:
-                    del self._index[s]
-                except OSError as e:  # a failed deletion must not fail the committed save
-                    log.warning("pitstop: retention could not delete step %d: %s", s, e)
-            self._write_index()
-        for stats_cb in (self.on_save,):
-            if stats_cb is not None:
-                try:
-                    stats_cb(self._stats_of(manifest.step))
-                except Exception:  # noqa: BLE001
-                    log.exception("pitstop: on_save callback failed")
+    def _warn_caveats(self, flat: FlatState) -> None:
+        """What an adapter cannot capture exactly is said once, at the first save showing it."""
+        for text in flat.caveats:
+            self._warn_once(f"caveat:{text}", f"pitstop: {text}")
 
-    def _written_here(self, step: int) -> bool:
-        """True when the checkpoint's own manifest names this directory's id (checked right
-        before retention deletes it: pitstop never deletes what it did not write)."""
-        try:
-            m = CheckpointReader(self.storage, step_name(step)).manifest
-        except (CheckpointError, OSError):
-            return False
-        return bool(self.directory_id) and m.directory_id == self.directory_id
+    def _warn_once(self, key: str, text: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        log.warning("%s", text)
+        warnings.warn(text, stacklevel=4)
 
-    def _stats_of(self, step: int) -> SaveStats:
-        for s in reversed(self.stats):
-            if s.step == step:
-                return s
-        return SaveStats(step=step)
+    def _abandon_newer_than(self, restored: int) -> None:
+        """The run continues from ``restored``: move the abandoned run's newer checkpoints
+        aside (never deleted), so none of them comes back as the newest."""
+        assert self._engine is not None
+        self._engine.drain()
+        self._rolled_back_to = None
+        newer = [s for s in self._committed() if s > restored]
+        moved = []
+        for s in newer:
+            new = self._catalog.move_aside(s, "abandoned")
+            if new is not None:
+                moved.append(f"{step_name(s)} -> {new}")
+        if moved:
+            self._warn_once(
+                f"abandoned:{restored}:{newer}",
+                f"pitstop: this run continues from step {restored}, so the checkpoints of the "
+                f"run it abandoned were moved aside in {self.directory}: {', '.join(moved)}. "
+                "pitstop keeps them (they are no longer restored); delete them when you no "
+                "longer need them.")
 
     # ================================================================== restoring
+    def _restored(self, restored: int) -> None:
+        if self._engine is None:
+            return
+        self._ctx.last_save_step = restored
+        self._ctx.last_save_time = time.monotonic()
+        newer = [s for s in self.all_steps() if s > restored]
+        self._rolled_back_to = restored if newer else None
+
+    def _restore_recovered(self, recovered: Recovered, flat: FlatState, strict: bool
+                           ) -> tuple[int | None, RestoreReport | None]:
+        committed = self._committed()
+        if committed and committed[-1] > recovered.step:
+            return None, None
+        report = recovered.reader.restore_into(flat, strict)
+        log.warning("pitstop: restored step %d from the memory tier", recovered.step)
+        # the buffer stays held (its persist may still be reading it) until the next save
+        # or close() releases it
+        return recovered.step, report
+
     def _restore_from_disk(self, flat: FlatState, step: int | None, strict: bool
                            ) -> tuple[int | None, RestoreReport | None]:
-        steps = self.all_steps()
+        steps = self._committed()
         if step is not None:
             if step not in steps:
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
-            reader = CheckpointReader(self.storage, step_name(step))
-            with self._reading(step_name(step)):
-                return step, reader.restore_into(flat, strict)
+            return step, self._restore_one(step, flat, strict)
         newer: UnsupportedFormatError | None = None
-        corrupt: list[str] = []
+        corrupt: list[CorruptCheckpointError] = []
         for s in reversed(steps):
-            name = step_name(s)
             try:
-                reader = CheckpointReader(self.storage, name)
-                with self._reading(name):
-                    report = reader.restore_into(flat, strict)
-                return s, report
+                report = self._restore_one(s, flat, strict)
             except CorruptCheckpointError as e:
-                msg = (f"pitstop: checkpoint {self.storage.path_of(name)} is corrupt ({e}); "
-                       "falling back to the previous one")
+                msg = (f"pitstop: checkpoint {self.storage.path_of(step_name(s))} is corrupt "
+                       f"({e}); falling back to the previous one")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
-                corrupt.append(f"{name}: {e}")
+                corrupt.append(e)
                 self._quarantine(s)
+                continue
             except UnsupportedFormatError as e:
                 # written by a newer pitstop: not corrupt, so never moved aside
-                msg = (f"pitstop: cannot read checkpoint {self.storage.path_of(name)} ({e}); "
-                       "falling back to the previous one")
+                msg = (f"pitstop: cannot read checkpoint {self.storage.path_of(step_name(s))} "
+                       f"({e}); falling back to the previous one")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
                 newer = newer or e
+                continue
+            except IncompatibleTargetError as e:
+                if corrupt and any(c.overwritten for c in corrupt):
+                    raise IncompatibleTargetError(
+                        f"{e}\nThe newer, corrupt checkpoint had already overwritten part of "
+                        f"the target ({_overwritten(corrupt)}), and step {s} cannot complete "
+                        "the restore.", missing=e.missing_keys, unexpected=e.unexpected_keys,
+                        mismatched=e.mismatched_keys) from corrupt[-1]
+                raise
+            if corrupt and any(c.overwritten for c in corrupt):
+                log.warning("pitstop: step %d overwrote everything the corrupt newer "
+                            "checkpoint had written", s)
+            return s, report
         if newer is not None:
             raise newer  # nothing older to use: never start from scratch silently
         if corrupt:
             # checkpoints existed but none is valid: starting from scratch must be the user's
             # decision, not a silent one
-            raise CorruptCheckpointError(
+            written = _overwritten(corrupt)
+            err = CorruptCheckpointError(
                 f"no valid checkpoint in {self.directory}: all {len(corrupt)} failed "
-                f"verification ({'; '.join(corrupt[:3])}). They were moved aside as "
-                "step_*.corrupt-*; restore() again starts from scratch.",
+                f"verification ({'; '.join(str(c) for c in corrupt[:3])}). They were moved "
+                "aside as step_*.corrupt-*; restore() again starts from scratch."
+                + (f" The target already holds bytes of a corrupt checkpoint in: {written}; "
+                   "rebuild it before training from scratch." if written else ""),
                 checkpoint=self.directory)
+            err.overwritten = sorted({k for c in corrupt for k in c.overwritten})
+            raise err
         return None, None
 
-    def _reading(self, name: str) -> Any:
-        return self.storage.read_lease(name)
+    def _restore_one(self, step: int, flat: FlatState, strict: bool) -> RestoreReport:
+        name = step_name(step)
+        try:
+            with self.storage.read_lease(name):
+                return CheckpointReader(self.storage, name).restore_into(flat, strict)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {self.storage.path_of(name)}: "
+                                  f"{type(e).__name__}: {e}") from e
 
     def _quarantine(self, step: int) -> None:
         """Move a corrupt checkpoint aside (never deleted) so later saves can reuse its step."""
-        if self.read_only:
-            return
         name = step_name(step)
-        new = self.storage.quarantine(name)
+        new = self._catalog.move_aside(step, "corrupt")
         if new is None:
-            log.warning("pitstop: corrupt checkpoint %s stays in place (this storage cannot "
-                        "move it aside)", name)
+            if not self.read_only:
+                log.warning("pitstop: corrupt checkpoint %s stays in place", name)
             return
-        with self._state_lock:
-            self._index.pop(step, None)
-            self._write_index()
         log.warning("pitstop: moved corrupt checkpoint %s aside to %s", name, new)
 
-    def _apply_adapters(self, flat: FlatState) -> None:
-        for _path, node in flat.adapters:
-            node.adapter.apply(node.obj, node.subtree if node.holder is None else node.holder[0])
-
-    # ================================================================== memory tier
-    def _recover_tier(self) -> None:
-        """Verify a crashed job's newest snapshot in shared memory and finish persisting it."""
-        assert self._tier is not None
-        tier = self._tier
-        newest = self.latest_step()
-        keep: set[str] = set()
-        for meta, buf_path in tier.candidates():
-            why = tier.trusted(meta, newest)
-            if why is None and self._recovered is None:
-                try:
-                    buf = tier.open_buffer(meta, buf_path)
-                    manifest_bytes = _tier_manifest(meta)
-                    reader = CheckpointReader(_BufferStorage(buf, manifest_bytes, buf_path),
-                                              "memory-tier")
-                    reader.verify()
-                except (CheckpointError, OSError, ValueError, KeyError) as e:
-                    log.warning("pitstop: memory-tier snapshot of step %s is unusable: %s",
-                                meta.get("step"), e)
-                    continue
-                step = int(meta["step"])
-                log.warning("pitstop: found step %d in the memory tier, newer than the newest "
-                            "committed step %s: restoring from memory and persisting it",
-                            step, newest)
-                self.pool.adopt(buf)
-                buf.step = step
-                self._recovered = (buf, reader, step)
-                keep |= {buf_path, buf_path[: -len(".buf")] + ".json"}
-                handle = SaveHandle(step, SaveStats(step=step, bytes=buf.layout.total,
-                                                    arrays=len(buf.layout.keys)))
-                values = {k: decode_value(v) for k, v in meta["values"].items()}
-                job = PersistJob(step=step, buffer=buf, values=values,
-                                 structure=meta["structure"], metrics=meta.get("metrics") or {},
-                                 handle=handle, user_metadata=meta.get("user_metadata") or {},
-                                 hashes=meta["hashes"], check_finite=bool(meta.get("check_finite")))
-                job.release_buffer = False
-                self._engine.submit(job)  # type: ignore[union-attr]
-                self.stats.append(handle.stats)
-            elif why is not None:
-                log.info("pitstop: ignoring memory-tier snapshot of step %s: %s",
-                         meta.get("step"), why)
-        tier.remove_all(keep=keep)
-
-    def _restore_recovered(self, flat: FlatState, strict: bool
-                           ) -> tuple[int | None, RestoreReport | None]:
-        assert self._recovered is not None
-        buf, reader, step = self._recovered
-        newest = self.latest_step()
-        if newest is not None and newest > step:
-            return None, None
-        report = reader.restore_into(flat, strict)
-        log.warning("pitstop: restored step %d from the memory tier", step)
-        # the buffer stays held (its persist may still be reading it) until the next save
-        # or close() releases it
-        return step, report
-
     # ================================================================== signals
-    def _install_signals(self, names: Iterable[str | int] | None) -> None:
-        if not names or threading.current_thread() is not threading.main_thread():
-            if names:
-                log.debug("pitstop: not on the main thread; signal saves are off")
-            return
-        for n in names:
-            signum = int(getattr(signal, n)) if isinstance(n, str) else int(n)
-            previous = signal.getsignal(signum)
-            if previous is signal.SIG_IGN:
-                continue
-            self._signals[signum] = previous
-            signal.signal(signum, self._on_signal)
-
-    def _uninstall_signals(self) -> None:
-        for signum, previous in list(self._signals.items()):
-            try:
-                if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, previous)
-            except (ValueError, TypeError):
-                pass
-        self._signals.clear()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        # never save here: only note it; the next step() boundary saves
-        if signum in (self._pending_signal, self._handling_signal):
-            if signal.Signals(signum).name in CONTINUE_SIGNALS:
-                return  # a save for it is already requested or under way
-            # asked twice: the user means it, act now (also while the first save persists)
-            self._abandoned = True
-            self._exit_like(signum, self._signals.get(signum, signal.SIG_DFL))
-        self._pending_signal = signum
-        log.warning("pitstop: %s received; saving at the next step boundary",
-                    signal.Signals(signum).name)
-
     def _handle_signal(self, step: int, state: Any, metrics: Mapping[str, Any] | None
                        ) -> SaveHandle | None:
-        signum = self._pending_signal
-        assert signum is not None
-        self._handling_signal = signum
-        self._pending_signal = None
-        name = signal.Signals(signum).name
+        signals = self._signals
+        signum = signals.take()
+        assert signum is not None and self._engine is not None
+        name = signal_name(signum)
         try:
             handle = None
-            if step not in self._index:
+            if step not in self._catalog.index and step not in self._engine.pending_steps():
                 handle = self._save(step, state, metrics, block=True, periodic=False)
             self.wait()
             log.warning("pitstop: saved step %d after %s", step, name)
             if name in CONTINUE_SIGNALS:
                 return handle
-            # the handler the program had before ours: close() uninstalls ours
-            previous = self._signals.get(signum, signal.SIG_DFL)
             self.close()
-            self._exit_like(signum, previous)
+            signals.exit_like(signum)
             return handle
         finally:
-            self._handling_signal = None
+            signals.handling = None
 
-    def _exit_like(self, signum: int, previous: Any) -> None:
-        self._uninstall_signals()
-        if signum == signal.SIGINT and previous in (signal.default_int_handler, signal.SIG_DFL):
-            raise KeyboardInterrupt
-        if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
-            previous(signum, None)
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        time.sleep(1)  # the signal is delivered at once; this is never reached in practice
+    # ================================================================== helpers
+    def _check_usable(self) -> None:
+        if os.getpid() != self._owner_pid:
+            raise CheckpointError(
+                f"this CheckpointManager ({self.directory}) belongs to process "
+                f"{self._owner_pid}; it cannot be used in the forked process {os.getpid()}. "
+                "Open a CheckpointManager of the child's own (read_only=True to restore or "
+                "load from the same directory), or save from the parent.")
 
-    # ================================================================== index
-    def _read_identity(self) -> str | None:
-        raw = self.storage.read_meta("directory.json")
-        if raw is None:
+    def _writer(self) -> Engine:
+        self._check_usable()
+        if self._engine is None:
+            raise CheckpointError(f"this CheckpointManager ({self.directory}) is read_only")
+        if self._closed:
+            raise CheckpointError(f"this CheckpointManager ({self.directory}) is closed")
+        return self._engine
+
+    def _committed(self) -> list[int]:
+        return _wrap_os(self._catalog.committed_steps, self.directory)
+
+
+# ====================================================================== lifecycle
+class _Resources:
+    """What a manager holds, without a reference back to it, so a dropped manager can be
+    collected and its resources released by a finalizer (or at interpreter exit)."""
+
+    def __init__(self, owner_pid: int, directory: str, lock: Any = None) -> None:
+        self.owner_pid = owner_pid
+        self.directory = directory
+        self.lock = lock
+        self.engine: Engine | None = None
+        self.pool: StagingPool | None = None
+        self.tier: MemoryTier | None = None
+        self.signals: SignalSaver | None = None
+        self.recovered: Recovered | None = None
+        self.released = False
+
+    def release(self, unattended: bool) -> CheckpointError | None:
+        """Commit what was accepted, then release everything. ``unattended``: from the
+        garbage collector or interpreter exit, where nobody can catch an error (it is logged
+        instead, loudly)."""
+        if os.getpid() != self.owner_pid or self.released:
+            return None  # a forked child: nothing here is the child's to release
+        self.released = True
+        error: CheckpointError | None = None
+        engine = self.engine
+        if unattended and self.signals is not None and self.signals.abandoned:
+            # interrupted twice: the user wants out now, without waiting for the save (its
+            # snapshot stays in the memory tier, when that is on, for the next start)
+            self.signals.retire()
             return None
         try:
-            return str(json.loads(raw)["directory_id"])
-        except (ValueError, KeyError):
+            if engine is not None:
+                pending = sorted(engine.pending_steps())
+                if unattended and pending:
+                    log.warning("pitstop: CheckpointManager(%r) was not closed: committing "
+                                "step(s) %s before it goes", self.directory, pending)
+                engine.close()
+                try:
+                    engine.raise_pending()
+                except CheckpointError as e:
+                    error = e
+            if unattended and self.signals is not None and self.signals.pending is not None:
+                log.error("pitstop: %s", _lost_signal_message(self.signals.pending,
+                                                              self.signals, None, None))
+            if self.pool is not None:
+                if self.recovered is not None:
+                    self.pool.release(self.recovered.buffer)
+                # the tier outlives crashes, not a clean close; keep it if a save failed
+                self.pool.close(unlink=error is None)
+            if self.tier is not None and error is None:
+                self.tier.remove_all()
+        finally:
+            if self.signals is not None:
+                self.signals.retire()
+            if self.lock is not None:
+                with contextlib.suppress(OSError):
+                    self.lock.release()
+                self.lock = None
+        if error is not None and unattended:
+            log.error("pitstop: a save accepted by CheckpointManager(%r) was lost: %s",
+                      self.directory, error)
             return None
+        return error
 
-    def _create_identity(self) -> str:
-        ident = uuid.uuid4().hex
-        self.storage.write_meta("directory.json", json.dumps(
-            {"directory_id": ident, "created_unix": time.time()}).encode())
-        return ident
 
-    def _reconcile_index(self, write: bool) -> None:
-        """Load what retention knows; rebuild entries from manifests where it is stale."""
-        raw = self.storage.read_meta("index.json")
-        known: dict[int, CheckpointInfo] = {}
-        if raw is not None:
+class _TierFallback:
+    """Warns once when the memory tier cannot hold a snapshot (the save then stages in
+    private memory): the tier's size, what the state needs, and how to fix it."""
+
+    def __init__(self, root: str | None) -> None:
+        self.root = root
+        self.warned = False
+
+    def __call__(self, error: OSError, nbytes: int) -> None:
+        if self.warned:
+            log.debug("pitstop: memory tier unavailable again: %s", error)
+            return
+        self.warned = True
+        size = free = None
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.root or "/dev/shm")
+            size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        have = (f"{self.root} has {_mib(size)} ({_mib(free)} free)" if size is not None
+                else f"{self.root} cannot be inspected")
+        text = (f"pitstop: the memory tier cannot hold this snapshot ({type(error).__name__}: "
+                f"{error}): the state needs {_mib(nbytes)} and {have}. Saves go on, staged in "
+                "private memory (a crash between a save and its commit then loses that "
+                "save). To keep the tier: enlarge /dev/shm (`docker run --shm-size=<size>`; "
+                "in Kubernetes mount an emptyDir with `medium: Memory` and a sizeLimit at "
+                "/dev/shm), or pass memory_tier='<dir on a larger tmpfs>'; to silence this, "
+                "memory_tier=False.")
+        log.warning("%s", text)
+        warnings.warn(text, stacklevel=2)
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _lost_signal_message(signum: int, signals: SignalSaver, exc: BaseException | None,
+                         committed: list[int] | None) -> str:
+    name = signal_name(signum)
+    ago = ""
+    if signals.received_at is not None:
+        ago = f" {time.monotonic() - signals.received_at:.1f} s ago"
+    newest = f"; the newest committed step is {committed[-1]}" if committed else ""
+    if exc is None:
+        return (f"{name} arrived{ago}, but the process is exiting before the next step "
+                f"boundary: nothing was saved for it{newest}.")
+    hint = _hint_for(exc)
+    return (f"{name} arrived{ago}, but training stopped with {type(exc).__name__}: {exc} "
+            f"before the next step boundary, so nothing was saved for it{newest}."
+            + (f" {hint}" if hint else ""))
+
+
+def _hint_for(exc: BaseException) -> str | None:
+    from ..adapters.registry import exception_hints
+    for hint in exception_hints:
+        try:
+            text = hint(exc)
+        except Exception:  # noqa: BLE001 - a hint must never hide the real error
+            continue
+        if text:
+            return str(text)
+    return None
+
+
+# ====================================================================== argument checks
+def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best: Any,
+                     best_metric: Any, best_mode: str, compression: Any, max_in_flight: Any
+                     ) -> None:
+    if directory is None or (isinstance(directory, (str, bytes)) and not directory.strip()):
+        raise InvalidArgumentError(
+            f"directory must name a checkpoint directory, got {directory!r} (pitstop will not "
+            "write into ./None or the working directory by accident)")
+    if not isinstance(directory, (str, os.PathLike, Storage)):
+        raise InvalidArgumentError(
+            f"directory must be a path or a Storage, got {type(directory).__name__}")
+    if hash_algorithm not in ALGORITHMS:
+        raise InvalidArgumentError(f"hash_algorithm must be one of {sorted(ALGORITHMS)}, got "
+                                   f"{hash_algorithm!r}")
+    if on_busy not in ("skip", "wait"):
+        raise InvalidArgumentError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
+    if keep_best is not None and not best_metric:
+        raise InvalidArgumentError("keep_best needs best_metric (the metric name to rank by)")
+    if best_mode not in ("min", "max"):
+        raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    if compression not in (None, "none", "zstd", "zstd+shuffle"):
+        raise InvalidArgumentError(f"compression must be None, 'zstd' or 'zstd+shuffle', got "
+                                   f"{compression!r}")
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or \
+            max_in_flight < 1:
+        raise InvalidArgumentError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+
+
+def _step_arg(step: Any) -> int:
+    """A step as a Python int: ints and integral numpy (or framework) scalars; never a bool,
+    a float or a string."""
+    if isinstance(step, bool) or isinstance(step, (float, str, bytes)) or step is None:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"step must be a non-negative int, got {type(step).__name__} {step!r}") from None
+    if value < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {value}")
+    return value
+
+
+def _clean_metrics(metrics: Any, best_metric: str | None) -> dict[str, Any]:
+    """Metrics as JSON values, checked before anything is written: numbers (also numpy and
+    framework scalars), strings, bools and None; the ranking metric must be a number."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise InvalidArgumentError(
+            f"metrics must be a mapping of name -> value, e.g. {{'loss': 0.5}}; got "
+            f"{type(metrics).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"metric names must be strings, got {k!r}")
+        if not isinstance(v, (int, float, str)) and v is not None:
+            item = getattr(v, "item", None)
+            if not callable(item):
+                raise InvalidArgumentError(
+                    f"metric {k!r} must be a number or a string, got {type(v).__name__}")
             try:
-                doc = json.loads(raw)
-                if doc["directory_id"] != self.directory_id:
-                    raise ValueError("the index of another directory")
-                for s, d in doc["checkpoints"].items():
-                    metrics = d.get("metrics") or {}
-                    if not isinstance(metrics, dict):
-                        raise TypeError(f"metrics of step {s} are not a dict")
-                    known[int(s)] = CheckpointInfo(int(s), metrics,
-                                                   bool(d.get("ours")), d.get("all_finite"),
-                                                   bool(d.get("protected")))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                log.warning("pitstop: %s/.pitstop/index.json is unreadable; rebuilding it",
-                            self.directory)
-                known = {}
-        index: dict[int, CheckpointInfo] = {}
-        for s in self.all_steps():
-            if s in known:
-                index[s] = known[s]
-                continue
-            try:
-                m = CheckpointReader(self.storage, step_name(s)).manifest
-            except CheckpointError as e:
-                log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
-                index[s] = CheckpointInfo(s, {}, ours=False)
-                continue
-            index[s] = CheckpointInfo(s, m.metrics, ours=m.directory_id == self.directory_id
-                                      and bool(self.directory_id), all_finite=m.all_finite)
-        self._index = index
-        if write and index != known:
-            self._write_index()
-
-    def _write_index(self) -> None:
-        doc = {"directory_id": self.directory_id, "checkpoints": {
-            str(s): {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
-                     "protected": i.protected} for s, i in sorted(self._index.items())}}
-        # the index is derived from the manifests (rebuilt when stale), so it costs no fsync
-        self.storage.write_meta("index.json", json.dumps(doc, allow_nan=True).encode(),
-                                durable=False)
-
-    def _best_so_far(self) -> float | None:
-        if self.best_metric is None:
-            return None
-        vals = [i.metrics.get(self.best_metric) for i in self._index.values()]
-        nums = [float(v) for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
-        if not nums:
-            return None
-        return min(nums) if self.best_mode == "min" else max(nums)
-
-    def _release_lock(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+                v = item()  # numpy / framework scalars, one-element arrays and tensors
+            except Exception as e:  # noqa: BLE001 - numpy ValueError, torch RuntimeError, ...
+                raise InvalidArgumentError(
+                    f"metric {k!r} must be a single number; got a {type(v).__name__} of "
+                    f"shape {tuple(getattr(v, 'shape', ()))} ({e}). Pass e.g. "
+                    "loss.mean().item().") from None
+            if not isinstance(v, (int, float, str, bool)) and v is not None:
+                raise InvalidArgumentError(
+                    f"metric {k!r} must be a number or a string, got {type(v).__name__}")
+        if k == best_metric:
+            number_metric(k, v)
+        out[k] = v
+    return out
 
 
-# ====================================================================== helpers
+def _check_user_metadata(user_metadata: Any) -> dict[str, Any]:
+    if user_metadata is None:
+        return {}
+    if not isinstance(user_metadata, Mapping):
+        raise InvalidArgumentError(
+            f"user_metadata must be a mapping, got {type(user_metadata).__name__}")
+    from .tree import encode_value
+    out = dict(user_metadata)
+    encode_value(out, "user_metadata")  # refused now, not in the background persist
+    return out
+
+
+def _open(directory: Any, **kwargs: Any) -> Storage:
+    if isinstance(directory, Storage):
+        return directory
+    return _wrap_os(open_storage, os.fspath(directory), directory, **kwargs)
+
+
+def _wrap_os(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)``, with an OSError turned into a CheckpointError that names ``where``."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError as e:
+        what = {
+            "NotADirectoryError": "is not a directory (or a part of its path is a file)",
+            "FileExistsError": "holds a file where pitstop needs a directory "
+                               f"({e.filename})",
+            "PermissionError": "is not writable by this process (open it with read_only=True "
+                               "to restore or load only)",
+        }.get(type(e).__name__, f"cannot be used ({type(e).__name__}: {e})")
+        raise CheckpointError(f"checkpoint directory {where} {what}") from e
+
+
+def _overwritten(errors: list[CorruptCheckpointError]) -> str:
+    keys = sorted({k for e in errors for k in e.overwritten})
+    return ", ".join(keys[:10]) + (f" (+{len(keys) - 10} more)" if len(keys) > 10 else "")
+
+
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector (reference counting goes on) for a short burst of
@@ -796,18 +922,6 @@ def _no_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (metrics or {}).items():
-        if hasattr(v, "item") and callable(v.item):
-            v = v.item()  # numpy / framework scalars
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[str(k)] = v
-        else:
-            raise TypeError(f"metric {k!r} must be a number or string, got {type(v).__name__}")
-    return out
 
 
 def _freeze(v: Any) -> Any:
@@ -825,40 +939,3 @@ def _pin_hooks() -> list[Any]:
     from ..adapters.registry import staging_hooks
     return staging_hooks  # the live list: adapters imported later add their hooks to it
 
-
-def _tier_manifest(meta: dict[str, Any]) -> bytes:
-    """A manifest describing a memory-tier buffer, so the normal reader can verify it."""
-    from .manifest import ArrayEntry
-    m = Manifest(step=int(meta["step"]), hash_algorithm=meta["hash_algorithm"],
-                 structure=meta["structure"], values=meta["values"],
-                 metrics=meta.get("metrics") or {}, directory_id=meta.get("directory_id"))
-    layout = meta["layout"]
-    m.files["shm.buf"] = int(layout["total"])
-    for k, dt, shape, off, n in layout["arrays"]:
-        m.arrays[k] = ArrayEntry(dtype=dt, shape=list(shape), file="shm.buf", offset=int(off),
-                                 length=int(n), hash=meta["hashes"][k])
-    return m.to_bytes()
-
-
-class _BufferStorage:
-    """Just enough of the Storage interface to read a memory-tier buffer with the reader."""
-
-    def __init__(self, buf: Any, manifest: bytes, location: str) -> None:
-        self.buf = buf
-        self.manifest = manifest
-        self.location = location
-
-    def path_of(self, name: str, relpath: str = "") -> str:
-        return f"memory tier {self.location}"
-
-    def read_bytes(self, name: str, relpath: str) -> bytes:
-        return self.manifest
-
-    def size(self, name: str, relpath: str) -> int:
-        return int(self.buf.buf.size)
-
-    def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
-        view = memoryview(out).cast("B")
-        src = self.buf.buf[offset:offset + len(view)]
-        view[: len(src)] = memoryview(src)
-        return len(src)

@@ -2,14 +2,17 @@
 
 The staging buffer of a save *is* a file in ``/dev/shm`` (``<prefix>-<slot>.buf``); beside
 it ``<prefix>-<slot>.json`` describes it. The description is removed before a snapshot
-overwrites the buffer and written ("sealed") once the persist thread has hashed every
-array, so a torn or unhashed buffer is never described. A restarted job trusts a sealed
-snapshot only when all of these hold:
+overwrites the buffer, written again as soon as the copy is complete (before ``save()``
+returns: "described", without hashes), and rewritten with every array's hash once the
+persist thread has hashed them ("sealed"). A torn buffer is never described. A restarted
+job trusts a described snapshot only when all of these hold:
 
-* same host and same boot (hostname and ``/proc/sys/kernel/random/boot_id``);
+* same host and same boot (hostname and ``/proc/sys/kernel/random/boot_id``): a process
+  crash cannot tear a tmpfs copy that was complete, a reboot empties the tmpfs;
 * same checkpoint directory (real path and the directory's id);
 * its step is newer than the newest committed checkpoint on disk;
-* every array's bytes match the hash recorded at sealing.
+* when it is sealed, every array's bytes match the hash recorded at sealing (an unsealed
+  one is hashed at recovery).
 
 Then it restores from memory and finishes persisting that snapshot. Everything else is
 deleted. ``close()`` of the manager removes the tier's files.
@@ -22,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 from typing import Any
 
@@ -51,6 +55,10 @@ class MemoryTier:
         self.root = root
         self.directory = os.path.realpath(directory)
         self.directory_id = directory_id
+        self._host = socket.gethostname()
+        self._boot = boot_id()
+        self._layout_of: Any = None
+        self._layout_json = ""
         # the real path is part of the name: a copied run directory keeps its directory_id,
         # and must not share (and truncate) the original's live buffers
         where = hashlib.sha1(self.directory.encode()).hexdigest()[:8]
@@ -67,17 +75,32 @@ class MemoryTier:
         except FileNotFoundError:
             pass
 
+    def describe(self, buf: StagingBuffer, job: Any) -> None:
+        """The snapshot in ``buf`` is complete: describe it (no hashes yet). Called on the
+        training thread before ``save()`` returns, so it is kept cheap: the layout's JSON is
+        made once per layout."""
+        self._write_meta(buf, job, None, None)
+
     def seal(self, buf: StagingBuffer, job: Any, hashes: dict[str, str], algorithm: str) -> None:
-        meta = {
-            "host": socket.gethostname(), "boot_id": boot_id(), "pid": os.getpid(),
+        """Add every array's hash to the description (the persist thread, after hashing)."""
+        self._write_meta(buf, job, hashes, algorithm)
+
+    def _write_meta(self, buf: StagingBuffer, job: Any, hashes: dict[str, str] | None,
+                    algorithm: str | None) -> None:
+        if self._layout_of is not buf.layout:
+            self._layout_json = json.dumps(buf.layout.to_json(), separators=(",", ":"))
+            self._layout_of = buf.layout
+        head = {
+            "host": self._host, "boot_id": self._boot, "pid": os.getpid(),
             "directory": self.directory, "directory_id": self.directory_id,
-            "step": job.step, "committed": False, "layout": buf.layout.to_json(),
+            "step": job.step, "committed": False,
             "hashes": hashes, "hash_algorithm": algorithm,
             "values": {k: encode_value(v, k) for k, v in job.values.items()},
             "structure": job.structure, "metrics": job.metrics,
             "user_metadata": job.user_metadata, "check_finite": job.check_finite,
         }
-        self._write(self.meta_path(buf), meta)
+        text = json.dumps(head, separators=(",", ":"))
+        self._write_text(self.meta_path(buf), text[:-1] + ',"layout":' + self._layout_json + "}")
 
     def mark_committed(self, buf: StagingBuffer) -> None:
         path = self.meta_path(buf)
@@ -90,9 +113,12 @@ class MemoryTier:
         self._write(path, meta)
 
     def _write(self, path: str, meta: dict[str, Any]) -> None:
+        self._write_text(path, json.dumps(meta, separators=(",", ":")))
+
+    def _write_text(self, path: str, text: str) -> None:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(meta, f, separators=(",", ":"))
+            f.write(text)
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ recovery
@@ -100,17 +126,24 @@ class MemoryTier:
         """Sealed snapshots of this directory, newest first (meta, buffer path)."""
         out = []
         for meta_path in glob.glob(f"{self.prefix}-*.json"):
+            if not _SLOT.match(meta_path[len(self.prefix):]):
+                continue
             try:
                 with open(meta_path) as f:
                     meta = json.load(f)
             except (OSError, ValueError):
                 continue
+            if not isinstance(meta, dict):
+                continue
             out.append((meta, meta_path[: -len(".json")] + ".buf"))
-        out.sort(key=lambda mb: -int(mb[0].get("step", -1)))
+        out.sort(key=lambda mb: -_step_of(mb[0]))
         return out
 
     def trusted(self, meta: dict[str, Any], newest_committed: int | None) -> str | None:
         """None when ``meta`` may be used, else the reason it may not."""
+        why = malformed(meta)
+        if why is not None:
+            return why
         if meta.get("host") != socket.gethostname() or meta.get("boot_id") != boot_id():
             return "written on another host or before a reboot"
         if meta.get("directory") != self.directory or meta.get("directory_id") != self.directory_id:
@@ -128,14 +161,44 @@ class MemoryTier:
             raise ValueError("memory-tier buffer is shorter than its layout")
         return StagingBuffer.attach(layout, buf_path)
 
+    def files(self) -> list[str]:
+        """This directory's tier files: only names the tier itself makes."""
+        return sorted(p for p in glob.glob(f"{self.prefix}-*")
+                      if _FILE.match(p[len(self.prefix):]))
+
     def remove_all(self, keep: set[str] | None = None) -> None:
-        for path in glob.glob(f"{self.prefix}-*"):
+        for path in self.files():
             if keep and path in keep:
                 continue
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+_SLOT = re.compile(r"^-\d+\.json$")
+#: every file name the tier makes below its prefix (buffer, description, its temporary)
+_FILE = re.compile(r"^-\d+\.(buf|json|json\.tmp)$")
+
+
+def _step_of(meta: dict[str, Any]) -> int:
+    step = meta.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def malformed(meta: Any) -> str | None:
+    """Why a tier description cannot be used as one, or None when its fields are sound."""
+    if not isinstance(meta, dict):
+        return "not a description"
+    if _step_of(meta) < 0:
+        return f"its step {meta.get('step')!r} is not a non-negative integer"
+    for key, kind in (("layout", dict), ("values", dict), ("structure", (dict, int)),
+                      ("hashes", (dict, type(None)))):
+        if not isinstance(meta.get(key), kind):
+            return f"its {key!r} is missing or malformed"
+    if meta["hashes"] is not None and not isinstance(meta.get("hash_algorithm"), str):
+        return "its 'hash_algorithm' is missing"
+    return None
 
 
 def layout_from_json(doc: dict[str, Any]) -> Layout:

@@ -15,7 +15,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .errors import InvalidArgumentError
+
 log = logging.getLogger("pitstop")
+
+
+def number_metric(name: str, value: Any) -> float:
+    """The value of a metric that ranks checkpoints, as a float; anything but a real number
+    (None, a string, a bool) is refused, naming the metric."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(
+            f"metric {name!r} is {value!r}, but it ranks checkpoints (best_metric): pass a "
+            "number, or leave it out of metrics on steps that have no value for it")
+    return float(value)
 
 
 # --------------------------------------------------------------------------- save policies
@@ -40,7 +52,7 @@ class EveryNSteps:
 
     def __init__(self, n: int) -> None:
         if n <= 0:
-            raise ValueError("save_every_steps must be a positive integer")
+            raise InvalidArgumentError("save_every_steps must be a positive integer")
         self.n = n
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
@@ -55,7 +67,7 @@ class EverySeconds:
 
     def __init__(self, seconds: float) -> None:
         if seconds <= 0:
-            raise ValueError("save_every_seconds must be positive")
+            raise InvalidArgumentError("save_every_seconds must be positive")
         self.seconds = seconds
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
@@ -70,20 +82,20 @@ class OnImprovement:
 
     def __init__(self, metric: str, mode: str = "min", best: float | None = None) -> None:
         if mode not in ("min", "max"):
-            raise ValueError("best_mode must be 'min' or 'max'")
+            raise InvalidArgumentError("best_mode must be 'min' or 'max'")
         self.metric, self.mode, self.best = metric, mode, best
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         if not ctx.metrics or self.metric not in ctx.metrics:
             return False
-        v = float(ctx.metrics[self.metric])
+        v = number_metric(self.metric, ctx.metrics[self.metric])
         return math.isfinite(v) and self._better(v)
 
     def saved(self, step: int, ctx: SaveContext) -> None:
         """A snapshot was taken: its metric is the one to beat. (Not in ``should_save``: an
         improvement whose save was skipped, e.g. while busy, must still count as one.)"""
         if ctx.metrics and self.metric in ctx.metrics:
-            v = float(ctx.metrics[self.metric])
+            v = number_metric(self.metric, ctx.metrics[self.metric])
             if math.isfinite(v) and self._better(v):
                 self.best = v
 
@@ -103,7 +115,7 @@ class AutoInterval:
 
     def __init__(self, mtbf_seconds: float, min_interval_s: float = 1.0) -> None:
         if mtbf_seconds <= 0:
-            raise ValueError("mtbf_seconds must be positive")
+            raise InvalidArgumentError("mtbf_seconds must be positive")
         self.mtbf = mtbf_seconds
         self.min_interval_s = min_interval_s
         self.interval_s: float | None = None
@@ -169,7 +181,7 @@ class RetentionPolicy(Protocol):
 class KeepLast:
     def __init__(self, n: int) -> None:
         if n < 1:
-            raise ValueError("keep_last must be at least 1")
+            raise InvalidArgumentError("keep_last must be at least 1")
         self.n = n
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
@@ -179,7 +191,7 @@ class KeepLast:
 class KeepEverySteps:
     def __init__(self, k: int) -> None:
         if k < 1:
-            raise ValueError("keep_every_steps must be at least 1")
+            raise InvalidArgumentError("keep_every_steps must be at least 1")
         self.k = k
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
@@ -189,9 +201,9 @@ class KeepEverySteps:
 class KeepBest:
     def __init__(self, n: int, metric: str, mode: str = "min") -> None:
         if n < 1:
-            raise ValueError("keep_best must be at least 1")
+            raise InvalidArgumentError("keep_best must be at least 1")
         if mode not in ("min", "max"):
-            raise ValueError("best_mode must be 'min' or 'max'")
+            raise InvalidArgumentError("best_mode must be 'min' or 'max'")
         self.n, self.metric, self.mode = n, metric, mode
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:

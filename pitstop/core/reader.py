@@ -5,18 +5,18 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from . import codecs
 from .dtypes import decode_dtype
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
+from .errors import CorruptCheckpointError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
+from .restore import RestoredStep, RestorePlan, RestoreReport
 from .storage.local import MANIFEST, pread_full
-from .tree import FlatState, decode_value, encode_value, join, split, unflatten
+from .tree import FlatState, decode_value, join, unflatten
 
 READ_CHUNK = 16 << 20
 SMALL = 1 << 20
@@ -34,33 +34,6 @@ class ReadableStorage(Protocol):
     def size(self, name: str, relpath: str) -> int: ...
 
     def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int: ...
-
-
-@dataclass
-class RestoreReport:
-    """Keys that did not match, as ``load_state_dict`` reports them."""
-
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
-    mismatched_keys: list[str] = field(default_factory=list)
-    #: mismatched key -> what differs (for the error message)
-    details: dict[str, str] = field(default_factory=dict)
-
-
-class RestoredStep(int):
-    """The restored step (an int), carrying what did not match under ``strict=False``."""
-
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-    mismatched_keys: list[str]
-
-    def __new__(cls, step: int, report: RestoreReport | None = None) -> RestoredStep:
-        obj = super().__new__(cls, step)
-        report = report or RestoreReport()
-        obj.missing_keys = report.missing_keys
-        obj.unexpected_keys = report.unexpected_keys
-        obj.mismatched_keys = report.mismatched_keys
-        return obj
 
 
 class CheckpointReader:
@@ -164,7 +137,7 @@ class CheckpointReader:
         def load_one(item: tuple[str, ArrayEntry]) -> None:
             leaves[item[0]] = self.read_array(item[0], item[1])
 
-        self._per_file(sorted(m.arrays.items(), key=lambda kv: (kv[1].file, kv[1].offset)),
+        self.per_file(sorted(m.arrays.items(), key=lambda kv: (kv[1].file, kv[1].offset)),
                        load_one)
         leaves.update({k: decode_value(v) for k, v in m.values.items()})
         if m.structure is None:
@@ -172,106 +145,21 @@ class CheckpointReader:
         return unflatten(m.structure, leaves)
 
     def restore_into(self, flat: FlatState, strict: bool = True) -> RestoreReport:
-        """Stream arrays into the live leaves of ``flat`` and replace its values in place.
+        """Put this checkpoint back into the live objects of ``flat``: checked against the
+        manifest and every adapter before a byte is written, then streamed into the live
+        buffers (hash-verified), then values and adapters applied (see :mod:`.restore`).
 
-        Everything is checked against the manifest before a byte is read; mismatches raise
-        :class:`IncompatibleTargetError` (``strict``) or are skipped and reported.
+        Mismatches raise :class:`IncompatibleTargetError` (``strict``) or are skipped and
+        reported; the target is then unchanged.
         """
-        m = self.manifest
-        report = RestoreReport()
-        ck_keys = set(m.arrays) | set(m.values)
-        # a target value whose path prefixes checkpoint entries (e.g. an optimizer's empty
-        # state before its first step) is rebuilt whole from the checkpoint
-        rebuilt: dict[str, Any] = {}
-        for key in flat.values:
-            if key not in ck_keys and any(k.startswith(key + "/") for k in ck_keys):
-                rebuilt[key] = self._subtree(key)
-        covered = {k for k in ck_keys for p in rebuilt if k.startswith(p + "/")}
-        bad: set[str] = set()
-        resized: set[str] = set()
+        plan = RestorePlan(self, flat, strict)
+        plan.plan()
+        plan.check()
+        plan.read()
+        plan.apply()
+        return plan.report
 
-        def mismatch(key: str, what: str) -> None:
-            report.mismatched_keys.append(key)
-            report.details[key] = what
-            bad.add(key)
-
-        for key, leaf in flat.arrays.items():
-            e = m.arrays.get(key)
-            if e is None:
-                if key not in m.values:
-                    report.missing_keys.append(key)
-                else:
-                    mismatch(key, "array in the target, value in the checkpoint")
-                continue
-            dtype = decode_dtype(e.dtype)
-            if (key in flat.scalars and dtype != leaf.dtype and dtype.kind == leaf.dtype.kind
-                    and dtype.kind in "US" and not e.shape):
-                resized.add(key)  # np.str_ / np.bytes_ of another length: replaced anyway
-            elif tuple(e.shape) != tuple(leaf.shape) or dtype != leaf.dtype:
-                mismatch(key, f"checkpoint {dtype}{list(e.shape)}, "
-                              f"target {leaf.dtype}{list(leaf.shape)}")
-        for key in flat.values:
-            if key in m.arrays and key not in m.values:
-                mismatch(key, "value in the target, array in the checkpoint")
-            elif key not in m.values and key not in rebuilt:
-                report.missing_keys.append(key)
-        # a value or numpy scalar held in a tuple cannot be replaced in place: fine when the
-        # checkpoint holds the same value, a mismatch otherwise (never a silent stale value)
-        in_tuple: set[str] = set()
-        for key, (container, k) in [*flat.parents.items(), *flat.scalars.items()]:
-            if not isinstance(container, tuple) or key in bad:
-                continue
-            in_tuple.add(key)
-            if key in rebuilt:
-                new = rebuilt[key]
-            elif key in flat.scalars and key in m.arrays:
-                new = self.read_array(key, m.arrays[key])[()]
-            elif key in m.values:
-                new = decode_value(m.values[key])
-            else:
-                continue
-            if not _same(container[k], new):
-                mismatch(key, f"held in a tuple, which cannot be changed in place: checkpoint "
-                              f"{new!r:.60}, target {container[k]!r:.60}. Use a list, or load()")
-        report.unexpected_keys = sorted(
-            k for k in ck_keys - set(flat.arrays) - set(flat.values) - covered)
-        if strict and (report.missing_keys or report.unexpected_keys or report.mismatched_keys):
-            raise IncompatibleTargetError(
-                _describe(self.where, report), missing=report.missing_keys,
-                unexpected=report.unexpected_keys, mismatched=report.mismatched_keys)
-        self.check_files()
-        # arrays, in file order so reads stay sequential
-        todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
-                if k in m.arrays and k not in bad and k not in resized]
-        todo.sort(key=lambda t: (t[2].file, t[2].offset))
-
-        def restore_one(item: tuple[str, Any, ArrayEntry]) -> None:
-            key, leaf, entry = item
-            view = leaf.host_view()
-            if view is not None:
-                self.read_array(key, entry, view)
-            else:
-                leaf.assign(self.read_array(key, entry))
-
-        self._per_file(todo, restore_one)
-        for key, (container, k) in flat.scalars.items():
-            if key in m.arrays and key not in bad and key not in in_tuple:
-                container[k] = (self.read_array(key, m.arrays[key])[()] if key in resized else
-                                flat.arrays[key].array[()])  # type: ignore[attr-defined]
-        for key in flat.values:
-            if key in rebuilt:
-                new = rebuilt[key]
-            elif key in m.values:
-                new = decode_value(m.values[key])
-            else:
-                continue
-            parent = flat.parents.get(key)
-            if parent is not None and key not in in_tuple and key not in bad:
-                container, k = parent
-                container[k] = new
-        return report
-
-    def _per_file(self, items: list[Any], fn: Any) -> None:
+    def per_file(self, items: list[Any], fn: Any) -> None:
         """Run ``fn`` over items (sorted by file, then offset), one thread per data file, so
         each file is read sequentially while reading and hash checks overlap across files."""
         by_file: dict[str, list[Any]] = {}
@@ -294,25 +182,6 @@ class CheckpointReader:
             for src in self._sources.values():
                 src.close()
             self._sources.clear()
-
-    def _subtree(self, prefix: str) -> Any:
-        """Rebuild the checkpoint's subtree at ``prefix`` (fresh arrays)."""
-        m = self.manifest
-        node = m.structure
-        for comp in split(prefix):
-            node = _child(node, comp)
-            if node is None:
-                break
-        leaves: dict[str, Any] = {}
-        for k, e in m.arrays.items():
-            if k.startswith(prefix + "/"):
-                leaves[k] = self.read_array(k, e)
-        for k, v in m.values.items():
-            if k.startswith(prefix + "/"):
-                leaves[k] = decode_value(v)
-        if node is None:
-            return leaves
-        return unflatten(node, leaves, prefix)
 
 
 class _FileSource:
@@ -359,50 +228,6 @@ def _pread(fd: int, out: np.ndarray, offset: int) -> int:
     if not out.flags.c_contiguous:
         raise ValueError("reads go into C-contiguous buffers only")
     return pread_full(fd, out.reshape(-1).view(np.uint8).data if out.size else bytearray(), offset)
-
-
-def _child(node: Any, comp: str) -> Any:
-    """The structure node of one path component below ``node`` (None if absent)."""
-    while isinstance(node, dict) and "$o" in node:
-        node = node["$o"]
-    if not isinstance(node, dict):
-        return None
-    if "$d" in node:
-        for k, sub in node["$d"]:
-            if str(k) == comp:
-                return sub
-        return None
-    seq = node.get("$l", node.get("$t"))
-    if seq is not None and comp.isdigit() and int(comp) < len(seq):
-        return seq[int(comp)]
-    return None
-
-
-def _describe(where: str, r: RestoreReport) -> str:
-    def some(keys: list[str]) -> str:
-        return ", ".join(keys[:20]) + (f" (+{len(keys) - 20} more)" if len(keys) > 20 else "")
-    parts = [f"cannot restore {where} into this state:"]
-    if r.missing_keys:
-        parts.append(f"missing in the checkpoint: {some(r.missing_keys)}")
-    if r.unexpected_keys:
-        parts.append(f"in the checkpoint but not in the target: {some(r.unexpected_keys)}")
-    if r.mismatched_keys:
-        parts.append("mismatched: " + some(
-            [f"{k} ({r.details[k]})" if k in r.details else k for k in r.mismatched_keys]))
-    parts.append("Pass strict=False to restore what matches.")
-    return " ".join(parts)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """True when a live value equals a restored one, bit for bit (NaN equals NaN)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, np.generic):
-        return bool(np.asarray(a).tobytes() == np.asarray(b).tobytes())
-    try:
-        return bool(encode_value(a) == encode_value(b))
-    except CheckpointError:
-        return False
 
 
 def nbytes_of(entry: ArrayEntry) -> int:

@@ -9,16 +9,21 @@ from it and finish persisting it (see :mod:`pitstop.core.memtier`).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .dtypes import encode_dtype
+from .errors import CheckpointError
 from .tree import ArrayLeaf
+
+log = logging.getLogger("pitstop")
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 SMALL_ALIGN = 64
@@ -88,6 +93,8 @@ class StagingBuffer:
                  attach: bool = False) -> None:
         self.layout = layout
         self.shm_path = shm_path
+        #: only the process that made the buffer removes its memory-tier file
+        self.owner_pid = os.getpid()
         self._mmap: mmap.mmap | None = None
         size = max(layout.total, 1)
         if shm_path is not None:
@@ -100,6 +107,10 @@ class StagingBuffer:
                     # with SIGBUS in the middle of a snapshot
                     os.posix_fallocate(fd, 0, size)
                 self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            except BaseException:
+                if not attach:
+                    _unlink(shm_path)
+                raise
             finally:
                 os.close(fd)
             self.buf = np.frombuffer(self._mmap, np.uint8)
@@ -144,11 +155,16 @@ class StagingBuffer:
             except BufferError:
                 pass  # a view still references it; the mapping goes with the last reference
             self._mmap = None
-        if unlink and self.shm_path is not None:
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
+        if unlink and self.shm_path is not None and os.getpid() == self.owner_pid:
+            _unlink(self.shm_path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
 
 
 class StagingPool:
@@ -159,10 +175,13 @@ class StagingPool:
     """
 
     def __init__(self, capacity: int, shm_prefix: str | None = None,
-                 pin_hooks: list[Any] | None = None) -> None:
+                 pin_hooks: list[Any] | None = None,
+                 on_tier_failure: Callable[[OSError, int], None] | None = None) -> None:
         self.capacity = max(1, capacity)
         self.shm_prefix = shm_prefix
         self.pin_hooks = pin_hooks if pin_hooks is not None else []
+        #: called when a memory-tier buffer cannot be made (the save stages privately)
+        self.on_tier_failure = on_tier_failure
         self.buffers: list[StagingBuffer] = []
         self.cond = threading.Condition()
 
@@ -197,7 +216,23 @@ class StagingPool:
                 if candidate not in used:
                     path = candidate
                     break
-        buf = StagingBuffer(layout, path)
+        buf = None
+        if path is not None:
+            try:
+                buf = StagingBuffer(layout, path)
+            except OSError as e:
+                # the memory tier is an optimisation, never the reason a save fails: this
+                # save stages in private memory and is persisted as usual
+                if self.on_tier_failure is not None:
+                    self.on_tier_failure(e, layout.total)
+        if buf is None:
+            try:
+                buf = StagingBuffer(layout)
+            except (OSError, ValueError, OverflowError) as e:
+                raise CheckpointError(
+                    f"cannot allocate a {layout.total / 2**20:.1f} MiB staging buffer for the "
+                    f"snapshot ({e}); free memory, or save a smaller state. Nothing was "
+                    "saved; committed checkpoints are intact.") from e
         buf.pin(self.pin_hooks)
         return buf
 

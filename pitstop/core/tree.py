@@ -6,7 +6,9 @@
 (``pitstop.adapters.registry``); core itself never imports a framework.
 
 Key paths join components with ``/``; a ``/`` or ``~`` inside a component is escaped as
-``~1`` / ``~0`` (as in JSON Pointer), so every path maps back to exactly one component list.
+``~1`` / ``~0`` (as in JSON Pointer) and an empty component is written ``~2``, so every path
+maps back to exactly one component list and no key collides with another (or with
+``<root>``, the path of a state that is itself a single leaf).
 """
 
 from __future__ import annotations
@@ -26,17 +28,27 @@ SCALAR_TYPES = (bool, int, float, str, type(None))
 
 
 # --------------------------------------------------------------------------- key paths
+#: deepest nesting of containers pitstop saves (deeper states are refused with a clear error,
+#: long before Python's recursion limit)
+MAX_DEPTH = 200
+EMPTY = "~2"
+
+
 def escape(component: str) -> str:
+    if not component:
+        return EMPTY
     return component.replace("~", "~0").replace("/", "~1")
 
 
 def unescape(component: str) -> str:
+    if component == EMPTY:
+        return ""
     return component.replace("~1", "/").replace("~0", "~")
 
 
 def join(prefix: str, key: Any) -> str:
     part = key if type(key) is str else str(key)
-    if "/" in part or "~" in part:
+    if not part or "/" in part or "~" in part:
         part = escape(part)
     return f"{prefix}/{part}" if prefix else part
 
@@ -78,6 +90,10 @@ class ArrayLeaf:
         """Put a restored value (C-contiguous host array) into the live object."""
         raise NotImplementedError
 
+    def check_restorable(self) -> None:
+        """Raise :class:`UnsupportedStateError` when a restore could not write this leaf
+        exactly (read-only, elements sharing memory). Called before any byte is written."""
+
 
 class NumpyLeaf(ArrayLeaf):
     """An ``np.ndarray`` leaf: any shape, order or stride; restored in place."""
@@ -103,10 +119,35 @@ class NumpyLeaf(ArrayLeaf):
             return a
         return None
 
+    def check_restorable(self) -> None:
+        """Refuse, before a restore writes anything, an array that cannot take the values."""
+        a = self.array
+        if not a.flags.writeable:
+            raise UnsupportedStateError(
+                "the target is a read-only numpy array; restore into a writable array "
+                "(np.array(x) copies one)")
+        if has_internal_overlap(a.shape, a.strides, a.itemsize):
+            raise UnsupportedStateError(
+                f"the target array of shape {list(a.shape)} (strides {list(a.strides)}) has "
+                "elements that share memory (a broadcast or as_strided view); restore into an "
+                "array that owns its memory (e.g. .copy() it)")
+
     def assign(self, value: np.ndarray) -> None:
-        if not self.array.flags.writeable:
-            raise UnsupportedStateError("cannot restore into a read-only numpy array")
         np.copyto(self.array, value, casting="equiv")
+
+
+def has_internal_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """True when two elements of an array with this layout may share memory (a stride of 0
+    on a dimension longer than 1, or strides too short for what they step over)."""
+    if 0 in shape:
+        return False
+    dims = sorted((abs(st), n) for n, st in zip(shape, strides, strict=True) if n > 1)
+    extent = itemsize
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * (n - 1) + extent
+    return False
 
 
 @dataclass(frozen=True)
@@ -119,13 +160,6 @@ class ArraySpec:
 
 
 @dataclass
-class ValueLeaf:
-    """A JSON-able value (any subtree without arrays). Restored by replacing the entry."""
-
-    value: Any
-
-
-@dataclass
 class AdapterNode:
     """A framework object captured by an adapter: its subtree, and how to put it back."""
 
@@ -133,7 +167,12 @@ class AdapterNode:
     adapter: Any
     subtree: Any
     #: ``[subtree]``: value leaves at the root of the subtree are replaced inside it
-    holder: list[Any] | None = None
+    holder: list[Any] = field(default_factory=list)
+
+    @property
+    def tree(self) -> Any:
+        """The subtree to hand to ``apply`` (the holder's, once restore replaced it)."""
+        return self.holder[0] if self.holder else self.subtree
 
 
 @dataclass
@@ -148,7 +187,14 @@ class FlatState:
     adapters: list[tuple[str, AdapterNode]] = field(default_factory=list)
     #: path -> (container, key) for numpy scalars: saved as 0-d arrays, put back as scalars
     scalars: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    #: id(tuple) -> (path, parent container, key) for every tuple that holds arrays: restore
+    #: rebuilds one (same type, namedtuples too) when a value inside it changes
+    tuples: dict[int, tuple[str, Any, Any]] = field(default_factory=dict)
+    #: what adapters said they cannot capture exactly (``caveats``), with their key paths
+    caveats: list[str] = field(default_factory=list)
     structure: Any = None
+    #: the state object itself
+    root: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -160,20 +206,57 @@ def _is_array_like(obj: Any) -> bool:
     return isinstance(obj, (np.ndarray, np.generic, ArrayLeaf))
 
 
-def contains_array(obj: Any, resolve: Callable[[Any], Any] | None) -> bool:
+class _BadNesting(Exception):
+    """Raised inside :func:`contains_array`; carries the key path back up as it unwinds."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+        self.parts: list[Any] = []
+
+
+def contains_array(obj: Any, resolve: Callable[[Any], Any] | None, _depth: int = 0,
+                   _open: set[int] | None = None) -> bool:
     """True when ``obj`` holds an array anywhere (or an object an adapter handles)."""
     if _is_array_like(obj):
         return True
-    if isinstance(obj, Mapping):
-        return any(contains_array(v, resolve) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(contains_array(v, resolve) for v in obj)
     if isinstance(obj, SCALAR_TYPES + (bytes,)):
+        return False
+    if isinstance(obj, (Mapping, list, tuple)):
+        if _depth >= MAX_DEPTH:
+            raise _BadNesting("deep")
+        if _open is None:
+            _open = set()
+        ident = id(obj)
+        if ident in _open:
+            raise _BadNesting("cycle")
+        _open.add(ident)
+        try:
+            items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+            for k, v in items:
+                try:
+                    if contains_array(v, resolve, _depth + 1, _open):
+                        return True
+                except _BadNesting as e:
+                    e.parts.append(k)
+                    raise
+        finally:
+            _open.discard(ident)
         return False
     return resolve is not None and resolve(obj) is not None
 
 
-def encode_value(v: Any, path: str = "") -> Any:
+def _nesting_error(e: _BadNesting, path: str) -> UnsupportedStateError:
+    for k in reversed(e.parts):
+        path = join(path, k)
+    if e.kind == "cycle":
+        return UnsupportedStateError(
+            f"state entry {_where(path)} contains itself (a reference cycle); pitstop saves "
+            "trees, not graphs")
+    return _too_deep(path)
+
+
+def encode_value(v: Any, path: str = "", depth: int = 0) -> Any:
     """Encode a value subtree as strict JSON, keeping what JSON would lose (tuples, int keys,
     bytes, non-finite floats) in small ``{"$type": ...}`` wrappers."""
     if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
@@ -182,31 +265,46 @@ def encode_value(v: Any, path: str = "") -> Any:
         if math.isfinite(v):
             return v
         return {"$float": repr(v)}
+    if depth >= MAX_DEPTH:
+        raise _too_deep(path)
     if isinstance(v, bytes):
         return {"$bytes": base64.b64encode(v).decode("ascii")}
     if isinstance(v, tuple):
-        return {"$tuple": [encode_value(x, path) for x in v]}
+        return {"$tuple": [encode_value(x, join(path, i), depth + 1) for i, x in enumerate(v)]}
     if isinstance(v, list):
-        return [encode_value(x, path) for x in v]
+        return [encode_value(x, join(path, i), depth + 1) for i, x in enumerate(v)]
     if isinstance(v, Mapping):
-        if all(isinstance(k, str) and not k.startswith("$") for k in v):
-            return {k: encode_value(x, join(path, k)) for k, x in v.items()}
+        if all(type(k) is str and not k.startswith("$") for k in v):
+            return {k: encode_value(x, join(path, k), depth + 1) for k, x in v.items()}
         items = []
         for k, x in v.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
+            if not isinstance(k, (str, int, float, bytes, tuple, type(None))):
                 raise UnsupportedStateError(
-                    f"state entry {path!r}: dict key {k!r} of type {type(k).__name__} is not "
-                    "savable; use str or int keys"
+                    f"state entry {_where(path)}: dict key {k!r} of type {type(k).__name__} is "
+                    "not savable; use str or int keys"
                 )
-            items.append([k, encode_value(x, join(path, k))])
+            items.append([encode_value(k, join(path, k), depth + 1),
+                          encode_value(x, join(path, k), depth + 1)])
         return {"$dict": items}
     if isinstance(v, (set, frozenset)):
-        raise UnsupportedStateError(f"state entry {path!r}: sets are not savable; use a sorted list")
+        raise UnsupportedStateError(
+            f"state entry {_where(path)}: sets are not savable; use a sorted list")
     raise UnsupportedStateError(
-        f"state entry {path!r}: cannot save a {type(v).__module__}.{type(v).__qualname__} "
+        f"state entry {_where(path)}: cannot save a {type(v).__module__}.{type(v).__qualname__} "
         "without pickle. Pass arrays, JSON-able values, or an object with "
         "state_dict()/load_state_dict()."
     )
+
+
+def _where(path: str) -> str:
+    return repr(path) if path else "<root>"
+
+
+def _too_deep(path: str) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"state entry {_where(path[:200] + ('...' if len(path) > 200 else ''))}: nested more "
+        f"than {MAX_DEPTH} levels deep; pitstop saves states up to that depth (flatten the "
+        "structure, or keep deep data in an array)")
 
 
 def decode_value(v: Any) -> Any:
@@ -223,9 +321,17 @@ def decode_value(v: Any) -> Any:
             if tag == "$tuple":
                 return tuple(decode_value(x) for x in payload)
             if tag == "$dict":
-                return {(tuple(k) if isinstance(k, list) else k): decode_value(x) for k, x in payload}
+                return {_decode_key(k): decode_value(x) for k, x in payload}
         return {k: decode_value(x) for k, x in v.items()}
     return v
+
+
+def _decode_key(k: Any) -> Any:
+    """A ``$dict`` key: encoded with :func:`encode_value` since format 1.1's pitstop 0.2
+    (older checkpoints hold plain JSON keys, which decode to themselves)."""
+    if isinstance(k, list):
+        return tuple(decode_value(x) for x in k)
+    return decode_value(k)
 
 
 # --------------------------------------------------------------------------- flatten
@@ -238,65 +344,111 @@ def flatten(state: Any, resolve: Resolver | None = None) -> FlatState:
     ``structure`` records containers that hold arrays so :func:`unflatten` can rebuild the
     nesting: a dict becomes ``{"$d": [[key, sub], ...]}``, a list ``{"$l": [...]}``, a tuple
     ``{"$t": [...]}``, an adapter-handled object ``{"$o": sub}``, a leaf ``0`` and a numpy
-    scalar (stored as a 0-d array) ``1``.
+    scalar (stored as a 0-d array) ``1``. A state nested deeper than :data:`MAX_DEPTH` or
+    containing itself is refused with :class:`UnsupportedStateError`.
     """
-    flat = FlatState()
-    flat.structure = _flatten(state, "", flat, resolve, None, None)
+    flat = FlatState(root=state)
+    flat.structure = _Flattener(flat, resolve).walk(state, "", None, None, 0)
     return flat
 
 
-def _flatten(obj: Any, path: str, flat: FlatState, resolve: Resolver | None,
-             parent: Any, key: Any) -> Any:
-    if type(obj) is np.ndarray:  # the common leaf first
-        flat.arrays[path or "<root>"] = NumpyLeaf(obj)
-        return 0
-    if isinstance(obj, ArrayLeaf):
-        flat.arrays[_leaf_path(path)] = obj
-        return 0
-    if isinstance(obj, np.ndarray):
-        flat.arrays[_leaf_path(path)] = NumpyLeaf(obj)
-        return 0
-    if isinstance(obj, np.generic):
-        # a numpy scalar is saved as a 0-d array; restore replaces the entry (it is immutable)
-        flat.arrays[_leaf_path(path)] = NumpyLeaf(np.array(obj))
-        if parent is not None:
+class _Flattener:
+    def __init__(self, flat: FlatState, resolve: Resolver | None) -> None:
+        self.flat = flat
+        self.resolve = resolve
+        #: ids of the containers on the path being walked (a reference cycle check)
+        self.open: set[int] = set()
+
+    def walk(self, obj: Any, path: str, parent: Any, key: Any, depth: int) -> Any:
+        flat = self.flat
+        if type(obj) is np.ndarray:  # the common leaf first
+            flat.arrays[path or "<root>"] = NumpyLeaf(obj)
+            return 0
+        if isinstance(obj, ArrayLeaf):
+            flat.arrays[_leaf_path(path)] = obj
+            return 0
+        if isinstance(obj, np.ndarray):
+            flat.arrays[_leaf_path(path)] = NumpyLeaf(obj)
+            return 0
+        if isinstance(obj, np.generic):
+            # a numpy scalar is saved as a 0-d array; restore replaces the entry (immutable)
+            flat.arrays[_leaf_path(path)] = NumpyLeaf(np.array(obj))
             flat.scalars[_leaf_path(path)] = (parent, key)
-        return 1
-    if isinstance(obj, Mapping):
-        if not contains_array(obj, resolve):
+            return 1
+        if isinstance(obj, SCALAR_TYPES + (bytes,)):
             return _value(obj, path, flat, parent, key)
+        if depth >= MAX_DEPTH:
+            raise _too_deep(path)
+        if isinstance(obj, (Mapping, list, tuple)):
+            if id(obj) in self.open:
+                raise UnsupportedStateError(
+                    f"state entry {_where(path)} contains itself (a reference cycle); "
+                    "pitstop saves trees, not graphs")
+            try:
+                has_arrays = contains_array(obj, self.resolve, depth)
+            except _BadNesting as e:
+                raise _nesting_error(e, path) from None
+            if not has_arrays:
+                return _value(obj, path, flat, parent, key)
+            self.open.add(id(obj))
+            try:
+                if isinstance(obj, Mapping):
+                    return self._mapping(obj, path, depth)
+                subs = [self.walk(v, join(path, i), obj, i, depth + 1) for i, v in enumerate(obj)]
+            finally:
+                self.open.discard(id(obj))
+            if isinstance(obj, tuple):
+                flat.tuples[id(obj)] = (path, parent, key)
+                return {"$t": subs}
+            return {"$l": subs}
+        adapter = self.resolve(obj) if self.resolve is not None else None
+        if adapter is None:
+            # raises a clear UnsupportedStateError
+            encode_value(obj, path)
+            raise AssertionError("unreachable")
+        if id(obj) in self.open:
+            raise UnsupportedStateError(
+                f"state entry {_where(path)} contains itself (a reference cycle)")
+        self.open.add(id(obj))
+        try:
+            try:
+                subtree = adapter.capture(obj)
+            except UnsupportedStateError as e:
+                raise _at(e, path) from e.__cause__
+            caveats = getattr(adapter, "caveats", None)
+            if caveats is not None:
+                flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in caveats(obj))
+            node = AdapterNode(obj, adapter, subtree, [subtree])
+            sub = self.walk(subtree, path, node.holder, 0, depth + 1)
+        finally:
+            self.open.discard(id(obj))
+        flat.adapters.append((path, node))
+        return {"$o": sub}
+
+    def _mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Any:
         items = []
         for k, v in obj.items():
             tk = type(k)
-            if tk is not str and (tk is not int):
+            if tk is not str and tk is not int:
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise UnsupportedStateError(
-                        f"state entry {path or '<root>'!r}: key {k!r} must be str or int")
+                        f"state entry {_where(path)}: key {k!r} of type {type(k).__name__} "
+                        "cannot be saved beside arrays; use str or int keys")
             if tk is not str and str(k) in obj:
                 # 1 and "1" share the key path "…/1": one would silently overwrite the other
                 raise UnsupportedStateError(
-                    f"state entry {path or '<root>'!r}: keys {str(k)!r} and {k!r} have "
+                    f"state entry {_where(path)}: keys {str(k)!r} and {k!r} have "
                     "the same key path; rename one")
-            items.append([k, _flatten(v, join(path, k), flat, resolve, obj, k)])
+            items.append([k, self.walk(v, join(path, k), obj, k, depth + 1)])
         return {"$d": items}
-    if isinstance(obj, (list, tuple)):
-        if not contains_array(obj, resolve):
-            return _value(obj, path, flat, parent, key)
-        subs = [_flatten(v, join(path, i), flat, resolve, obj, i) for i, v in enumerate(obj)]
-        return {"$t": subs} if isinstance(obj, tuple) else {"$l": subs}
-    if isinstance(obj, SCALAR_TYPES + (bytes,)):
-        return _value(obj, path, flat, parent, key)
-    adapter = resolve(obj) if resolve is not None else None
-    if adapter is None:
-        # raises a clear UnsupportedStateError
-        encode_value(obj, path)
-        raise AssertionError("unreachable")
-    subtree = adapter.capture(obj)
-    holder = [subtree]
-    node = AdapterNode(obj, adapter, subtree, holder)
-    sub = _flatten(subtree, path, flat, resolve, holder, 0)
-    flat.adapters.append((path, node))
-    return {"$o": sub}
+
+
+def _at(e: UnsupportedStateError, path: str) -> UnsupportedStateError:
+    """``e`` with the state path in front (adapters do not know where their object sits)."""
+    text = str(e)
+    if text.startswith("state entry "):
+        return e
+    return UnsupportedStateError(f"state entry {_where(path)}: {text}")
 
 
 def _leaf_path(path: str) -> str:

@@ -286,9 +286,10 @@ def test_latest_and_retention_move_only_after_commit(managers, tmp_path):
     index_before = (tmp_path / "ckpt" / ".pitstop" / "index.json").read_bytes()
     h = mgr.save(3, small_state(3))
     assert gate.entered.wait(30)
-    # snapshot taken: the pointer has not moved and retention has not run
-    assert mgr.latest_step() == 2
-    assert mgr.all_steps() == [2]
+    # snapshot taken: nothing committed and retention has not run; the manager already
+    # names step 3 (restore() and load() would wait for it and return it)
+    assert mgr._committed() == [2]
+    assert mgr.latest_step() == 3 and mgr.all_steps() == [2, 3]
     assert (tmp_path / "ckpt" / ".pitstop" / "index.json").read_bytes() == index_before
     ro = pitstop.CheckpointManager(tmp_path / "ckpt", read_only=True)
     assert ro.latest_step() == 2

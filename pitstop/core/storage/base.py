@@ -99,8 +99,9 @@ class Storage(ABC):
         """Held while a checkpoint is read, so retention leaves it alone (no-op by default)."""
         return nullcontext()
 
-    def quarantine(self, name: str) -> str | None:
-        """Move a corrupt checkpoint out of the listing, keeping its bytes; None when this
+    def move_aside(self, name: str, reason: str) -> str | None:
+        """Move a checkpoint out of the listing, keeping its bytes (``reason``: "corrupt",
+        "abandoned"; see :mod:`pitstop.core.names`); returns the new name, or None when this
         backend cannot (it then stays where it is)."""
         return None
 

@@ -16,7 +16,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import DirectoryLockedError
+from ..errors import DirectoryLockedError, StepExistsError
+from ..names import aside_name
 from .base import Storage, Transaction, Writer
 
 TMP_PREFIX = ".tmp-"
@@ -112,7 +113,14 @@ class _LocalTransaction(Transaction):
         if self.storage.durable:
             fsync_dir(self.tmp)
         # rename() refuses a non-empty target, so a committed checkpoint is never replaced.
-        os.rename(self.tmp, self.location)
+        try:
+            os.rename(self.tmp, self.location)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise StepExistsError(
+                f"{self.location} already exists (committed by another save of the same "
+                "step); pitstop never overwrites a committed checkpoint") from None
         if self.storage.durable:
             fsync_dir(self.storage.location)
 
@@ -176,9 +184,9 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def quarantine(self, name: str) -> str:
-        """Move a corrupt checkpoint aside (kept for inspection, no longer listed)."""
-        new = f"{name}.corrupt-{int(time.time())}-{uuid.uuid4().hex[:4]}"
+    def move_aside(self, name: str, reason: str) -> str:
+        """Move a checkpoint aside (kept for inspection, no longer listed)."""
+        new = aside_name(name, reason, int(time.time()), uuid.uuid4().hex[:4])
         os.rename(os.path.join(self.location, name), os.path.join(self.location, new))
         if self.durable:
             fsync_dir(self.location)

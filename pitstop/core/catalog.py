@@ -1,0 +1,236 @@
+"""What a manager knows of its directory: its identity, the index of committed checkpoints
+with their metrics, retention, and checkpoints moved aside.
+
+The directory's identity (``.pitstop/directory.json``) is what lets retention prove a
+checkpoint was written here (its manifest carries the same id). The index
+(``.pitstop/index.json``) is derived from the manifests and rebuilt where it is stale, so
+writing it costs no fsync. Bookkeeping after a commit never fails the save it follows:
+trouble there is a warning, and the next commit tries again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CheckpointError
+from .manifest import Manifest
+from .names import parse_step_name, step_name
+from .policy import CheckpointInfo, RetentionPolicy, to_delete
+from .reader import CheckpointReader
+from .storage import Storage
+
+log = logging.getLogger("pitstop")
+
+IDENTITY = "directory.json"
+INDEX = "index.json"
+
+
+def read_identity(storage: Storage, *, required: bool) -> str | None:
+    """The directory's id; None when it has none yet. A malformed identity file raises
+    (``required``: a writer must not guess whose checkpoints these are) or reads as none."""
+    try:
+        raw = storage.read_meta(IDENTITY)
+    except OSError as e:
+        if not required:
+            return None
+        raise CheckpointError(f"cannot read {storage.location}/.pitstop/{IDENTITY}: {e}") from e
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        ident = doc["directory_id"]
+        if not isinstance(ident, str) or not ident:
+            raise TypeError("directory_id is not a non-empty string")
+        return ident
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        if not required:
+            log.warning("pitstop: %s/.pitstop/%s is malformed (%s); reading without it",
+                        storage.location, IDENTITY, e)
+            return None
+        raise CheckpointError(
+            f"{storage.location}/.pitstop/{IDENTITY} is not a pitstop directory identity "
+            f"({type(e).__name__}: {e}; it holds {raw[:60]!r}). Remove that file to give the "
+            "directory a new identity: retention then leaves the checkpoints already there "
+            "alone, since it can no longer prove this directory wrote them.") from None
+
+
+def create_identity(storage: Storage) -> str:
+    ident = uuid.uuid4().hex
+    storage.write_meta(IDENTITY, json.dumps(
+        {"directory_id": ident, "created_unix": time.time()}).encode())
+    return ident
+
+
+class Catalog:
+    """The index of committed checkpoints, retention and moving checkpoints aside."""
+
+    def __init__(self, storage: Storage, directory_id: str, retention: list[RetentionPolicy],
+                 *, read_only: bool,
+                 on_save: Callable[[Any], None] | None = None) -> None:
+        self.storage = storage
+        self.directory_id = directory_id
+        self.retention = retention
+        self.read_only = read_only
+        self.on_save = on_save
+        self.index: dict[int, CheckpointInfo] = {}
+        self.lock = threading.RLock()
+        #: the index write or retention failed after a commit: retried at the next one
+        self.dirty = False
+
+    # ------------------------------------------------------------------ listing
+    def committed_steps(self) -> list[int]:
+        """Committed steps on disk, oldest first (only names pitstop makes)."""
+        out = []
+        for name in self.storage.list_checkpoints():
+            step = parse_step_name(name)
+            if step is not None:
+                out.append(step)
+        return sorted(out)
+
+    def reconcile(self, write: bool) -> None:
+        """Load what retention knows; rebuild entries from manifests where it is stale."""
+        raw = self.storage.read_meta(INDEX)
+        known: dict[int, CheckpointInfo] = {}
+        if raw is not None:
+            try:
+                doc = json.loads(raw)
+                if doc["directory_id"] != self.directory_id:
+                    raise ValueError("the index of another directory")
+                for s, d in doc["checkpoints"].items():
+                    metrics = d.get("metrics") or {}
+                    if not isinstance(metrics, dict):
+                        raise TypeError(f"metrics of step {s} are not a dict")
+                    known[int(s)] = CheckpointInfo(int(s), metrics,
+                                                   bool(d.get("ours")), d.get("all_finite"),
+                                                   bool(d.get("protected")))
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+                log.warning("pitstop: %s/.pitstop/%s is unreadable; rebuilding it",
+                            self.storage.location, INDEX)
+                known = {}
+        index: dict[int, CheckpointInfo] = {}
+        for s in self.committed_steps():
+            if s in known:
+                index[s] = known[s]
+                continue
+            try:
+                m = CheckpointReader(self.storage, step_name(s)).manifest
+            except CheckpointError as e:
+                log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
+                index[s] = CheckpointInfo(s, {}, ours=False)
+                continue
+            index[s] = CheckpointInfo(s, m.metrics, ours=m.directory_id == self.directory_id
+                                      and bool(self.directory_id), all_finite=m.all_finite)
+        with self.lock:
+            self.index = index
+            if write and index != known:
+                self._write_index()
+
+    def _write_index(self) -> None:
+        doc = {"directory_id": self.directory_id, "checkpoints": {
+            str(s): {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
+                     "protected": i.protected} for s, i in sorted(self.index.items())}}
+        # derived from the manifests (rebuilt when stale), so it costs no fsync
+        self.storage.write_meta(INDEX, json.dumps(doc, allow_nan=True).encode(), durable=False)
+
+    # ------------------------------------------------------------------ after a commit
+    def committed(self, manifest: Manifest, name: str, stats: Any) -> None:
+        """Persist thread, after a commit: index, then retention, then ``on_save``."""
+        info = CheckpointInfo(step=manifest.step, metrics=manifest.metrics, ours=True,
+                              all_finite=manifest.all_finite)
+        with self.lock:
+            self.index[manifest.step] = info
+            try:
+                self._retain()
+                self._write_index()
+                if self.dirty:
+                    log.info("pitstop: index and retention are up to date again")
+                self.dirty = False
+            except Exception as e:  # noqa: BLE001 - never the save's failure
+                self.dirty = True
+                log.warning("pitstop: step %d is committed, but updating %s/.pitstop/%s or "
+                            "applying retention failed (%s: %s); retried at the next commit",
+                            manifest.step, self.storage.location, INDEX, type(e).__name__, e)
+        if self.on_save is not None:
+            try:
+                self.on_save(stats)
+            except Exception:  # noqa: BLE001
+                log.exception("pitstop: on_save callback failed")
+
+    def _retain(self) -> None:
+        doomed = to_delete(list(self.index.values()), self.retention)
+        for s in doomed:
+            if not self._written_here(s):
+                # the index said ours, the directory says otherwise (copied in, replaced)
+                old = self.index[s]
+                self.index[s] = CheckpointInfo(s, old.metrics, False, old.all_finite,
+                                               old.protected)
+                log.warning("pitstop: retention leaves %s alone: this manager did not "
+                            "write it", self.storage.path_of(step_name(s)))
+                continue
+            try:
+                if self.storage.delete_if_unread(step_name(s)):
+                    del self.index[s]
+                    log.info("pitstop: retention deleted step %d", s)
+                else:
+                    log.info("pitstop: retention keeps step %d for now: it is being read", s)
+            except FileNotFoundError:
+                del self.index[s]
+            except OSError as e:  # one failed deletion must not stop the others
+                log.warning("pitstop: retention could not delete step %d: %s", s, e)
+
+    def _written_here(self, step: int) -> bool:
+        """True when the checkpoint's own manifest names this directory's id (checked right
+        before retention deletes it: pitstop never deletes what it did not write)."""
+        try:
+            m = CheckpointReader(self.storage, step_name(step)).manifest
+        except (CheckpointError, OSError):
+            return False
+        return bool(self.directory_id) and m.directory_id == self.directory_id
+
+    # ------------------------------------------------------------------ moving aside
+    def move_aside(self, step: int, reason: str) -> str | None:
+        """Move a checkpoint out of the listing, whole ("corrupt", "abandoned"); returns its
+        new name, or None when it stays (read-only, or a storage that cannot move it)."""
+        if self.read_only:
+            return None
+        name = step_name(step)
+        try:
+            new = self.storage.move_aside(name, reason)
+        except FileNotFoundError:
+            new = None
+        except OSError as e:
+            log.warning("pitstop: could not move %s aside: %s", self.storage.path_of(name), e)
+            return None
+        with self.lock:
+            self.index.pop(step, None)
+            try:
+                self._write_index()
+            except OSError as e:
+                self.dirty = True
+                log.warning("pitstop: could not update the index: %s", e)
+        return new
+
+    # ------------------------------------------------------------------ queries
+    def best_so_far(self, metric: str | None, mode: str) -> float | None:
+        if metric is None:
+            return None
+        vals = [i.metrics.get(metric) for i in self.index.values()]
+        nums = [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v)]
+        if not nums:
+            return None
+        return min(nums) if mode == "min" else max(nums)
+
+    def finite_steps(self) -> list[int]:
+        with self.lock:
+            return sorted(s for s, i in self.index.items() if i.all_finite)
+
+
+__all__ = ["Catalog", "read_identity", "create_identity"]

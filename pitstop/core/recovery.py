@@ -1,0 +1,123 @@
+"""Recovering a crashed job's newest snapshot from the memory tier.
+
+At construction the manager looks for a snapshot this directory's previous writer left in
+shared memory (see :mod:`pitstop.core.memtier` for when one is trusted). A trusted one is
+verified (or, if the writer died before sealing it, hashed now), adopted as a staging
+buffer, restored from directly by ``restore()`` / ``load()``, and persisted to disk in the
+background like any save. From the moment it is adopted it counts as the newest step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .engine import Engine, PersistJob, SaveHandle, SaveStats
+from .errors import CheckpointError
+from .manifest import ArrayEntry, Manifest
+from .memtier import MemoryTier
+from .reader import CheckpointReader
+from .snapshot import StagingBuffer, StagingPool
+from .tree import decode_value
+
+log = logging.getLogger("pitstop")
+
+
+@dataclass
+class Recovered:
+    """A snapshot recovered from the memory tier, persisting in the background."""
+
+    buffer: StagingBuffer
+    reader: CheckpointReader
+    step: int
+    handle: SaveHandle
+
+
+def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
+            newest_committed: int | None) -> Recovered | None:
+    """Adopt the newest trusted snapshot of ``tier`` and submit its persist; delete the rest."""
+    keep: set[str] = set()
+    recovered: Recovered | None = None
+    for meta, buf_path in tier.candidates():
+        why = tier.trusted(meta, newest_committed)
+        if why is not None:
+            log.info("pitstop: ignoring memory-tier snapshot %s: %s", buf_path, why)
+            continue
+        if recovered is not None:
+            continue
+        try:
+            buf = tier.open_buffer(meta, buf_path)
+            hashes = meta["hashes"]
+            algorithm = meta["hash_algorithm"] if hashes is not None else engine.hash_algorithm
+            if hashes is None:
+                # described (complete) but not sealed: the writer died while hashing it
+                hashes = engine.hash_all(buf)
+            reader = CheckpointReader(
+                _BufferStorage(buf, _tier_manifest(meta, hashes, algorithm), buf_path),
+                "memory-tier")
+            if meta["hashes"] is not None:
+                reader.verify()
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("pitstop: memory-tier snapshot of step %s is unusable: %s",
+                        meta.get("step"), e)
+            continue
+        step = int(meta["step"])
+        log.warning("pitstop: found step %d in the memory tier, newer than the newest "
+                    "committed step %s: restoring from memory and persisting it",
+                    step, newest_committed)
+        pool.adopt(buf)
+        buf.step = step
+        keep |= {buf_path, buf_path[: -len(".buf")] + ".json"}
+        handle = SaveHandle(step, SaveStats(step=step, bytes=buf.layout.total,
+                                            arrays=len(buf.layout.keys)))
+        values = {k: decode_value(v) for k, v in meta["values"].items()}
+        job = PersistJob(step=step, buffer=buf, values=values, structure=meta["structure"],
+                         metrics=meta.get("metrics") or {}, handle=handle,
+                         user_metadata=meta.get("user_metadata") or {}, hashes=hashes,
+                         check_finite=bool(meta.get("check_finite")))
+        job.release_buffer = False  # restore() may still read it; released by the manager
+        engine.submit(job)
+        recovered = Recovered(buf, reader, step, handle)
+    tier.remove_all(keep=keep)
+    return recovered
+
+
+def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str) -> bytes:
+    """A manifest describing a memory-tier buffer, so the normal reader can verify it."""
+    m = Manifest(step=int(meta["step"]), hash_algorithm=algorithm,
+                 structure=meta["structure"], values=meta["values"],
+                 metrics=meta.get("metrics") or {}, directory_id=meta.get("directory_id"))
+    layout = meta["layout"]
+    m.files["shm.buf"] = int(layout["total"])
+    for k, dt, shape, off, n in layout["arrays"]:
+        m.arrays[k] = ArrayEntry(dtype=dt, shape=list(shape), file="shm.buf", offset=int(off),
+                                 length=int(n), hash=hashes[k])
+    return m.to_bytes()
+
+
+class _BufferStorage:
+    """Just enough of the Storage interface to read a memory-tier buffer with the reader."""
+
+    def __init__(self, buf: StagingBuffer, manifest: bytes, location: str) -> None:
+        self.buf = buf
+        self.manifest = manifest
+        self.location = location
+
+    def path_of(self, name: str, relpath: str = "") -> str:
+        return f"memory tier {self.location}"
+
+    def read_bytes(self, name: str, relpath: str) -> bytes:
+        return self.manifest
+
+    def size(self, name: str, relpath: str) -> int:
+        return int(self.buf.buf.size)
+
+    def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
+        view = memoryview(out).cast("B")
+        src = self.buf.buf[offset:offset + len(view)]
+        view[: len(src)] = memoryview(src)
+        return len(src)
+
+
+__all__ = ["Recovered", "recover"]

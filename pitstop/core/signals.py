@@ -1,0 +1,167 @@
+"""Saves on a signal: SIGTERM / SIGINT / SIGUSR1 are noted at once and acted on at the next
+step boundary (the only moment the state is consistent).
+
+:class:`SignalSaver` owns pitstop's handlers. The handler never saves and never touches
+the manager: it only records the signal. A repeat of the same terminating signal acts at
+once (the user means it). The handlers hold no reference to the manager, so a manager the
+program drops can still be collected; once its saver is retired, or in a forked child
+(a DataLoader worker, a ``multiprocessing`` process), the handler behaves exactly as the
+handler the program had before pitstop installed its own — and in a forked child that
+previous handler is put back right after the fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger("pitstop")
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+#: signals after whose save the process goes on training (a "checkpoint now" request)
+CONTINUE_SIGNALS = {"SIGUSR1"}
+
+_savers: weakref.WeakSet[SignalSaver] = weakref.WeakSet()
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class SignalSaver:
+    """pitstop's handlers for ``names``; ``pending`` is the signal to act on at the next step."""
+
+    def __init__(self, names: Iterable[str | int] | None) -> None:
+        self.owner_pid = os.getpid()
+        #: the handler each signal had before pitstop's
+        self.previous: dict[int, Any] = {}
+        #: noted, not yet acted on
+        self.pending: int | None = None
+        #: being acted on (its save is under way): a repeat of it acts at once
+        self.handling: int | None = None
+        #: a repeated signal stopped waiting for the save: exit without waiting for it
+        self.abandoned = False
+        self.active = True
+        #: when the signal arrived (for the message if training dies before the boundary)
+        self.received_at: float | None = None
+        self._install(names)
+        _savers.add(self)
+
+    def _install(self, names: Iterable[str | int] | None) -> None:
+        if not names:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("pitstop: not on the main thread; signal saves are off")
+            return
+        for n in names:
+            signum = _signum(n)
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN:
+                continue
+            self.previous[signum] = previous
+            signal.signal(signum, self._on_signal)
+
+    # ------------------------------------------------------------------ the handler
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.active or os.getpid() != self.owner_pid:
+            # not ours to act on (the manager is gone, or this is a forked child): do what
+            # the program's own handler would have done
+            self._delegate(signum, frame)
+            return
+        if signum in (self.pending, self.handling):
+            if signal_name(signum) in CONTINUE_SIGNALS:
+                return  # a save for it is already requested or under way
+            # asked twice: the user means it, act now (also while the first save persists)
+            self.abandoned = True
+            self.exit_like(signum)
+        self.pending = signum
+        self.received_at = time.monotonic()
+        log.warning("pitstop: %s received; saving at the next step boundary",
+                    signal_name(signum))
+
+    def _delegate(self, signum: int, frame: Any) -> None:
+        previous = self.previous.get(signum, signal.SIG_DFL)
+        if previous is signal.SIG_IGN:
+            return
+        if callable(previous) and previous is not signal.SIG_DFL:
+            previous(signum, frame)
+            return
+        _default_action(signum)
+
+    # ------------------------------------------------------------------ acting on it
+    def take(self) -> int | None:
+        """The pending signal, now being handled (None when there is none)."""
+        signum = self.pending
+        if signum is not None:
+            self.handling = signum
+            self.pending = None
+        return signum
+
+    def exit_like(self, signum: int) -> None:
+        """Leave the way the signal asks, as the program's previous handler would."""
+        previous = self.previous.get(signum, signal.SIG_DFL)
+        self.retire()
+        if signum == signal.SIGINT and previous in (signal.default_int_handler, signal.SIG_DFL):
+            raise KeyboardInterrupt
+        if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+            previous(signum, None)
+            return
+        _default_action(signum)
+
+    def retire(self) -> None:
+        """Put the previous handlers back (where this thread may); from now on pitstop's
+        handler, if still installed, behaves as the previous one."""
+        self.active = False
+        self.pending = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in list(self.previous.items()):
+            try:
+                if signal.getsignal(signum) == self._on_signal:
+                    signal.signal(signum, previous)
+            except (ValueError, TypeError):
+                pass
+
+    def _after_fork_in_child(self) -> None:
+        self.active = False
+        self.pending = None
+        for signum, previous in list(self.previous.items()):
+            try:
+                if signal.getsignal(signum) == self._on_signal:
+                    signal.signal(signum, previous)
+            except (ValueError, TypeError):
+                pass
+
+
+def _signum(name: str | int) -> int:
+    if isinstance(name, str):
+        try:
+            return int(getattr(signal, name))
+        except AttributeError:
+            raise ValueError(f"save_on_signals: unknown signal {name!r}") from None
+    return int(name)
+
+
+def _default_action(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    time.sleep(1)  # the signal is delivered at once; this is never reached in practice
+
+
+def _after_fork_in_child() -> None:
+    for saver in list(_savers):
+        saver._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+__all__ = ["SignalSaver", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS", "signal_name"]
