@@ -124,27 +124,41 @@ def test_this_process_holding_refuses_another_process(tmp_path):
 
 
 def test_lock_not_stuck_when_a_forked_child_outlives_the_killed_holder(tmp_path):
-    # data-loader workers are forked from the training process; the lock must die with it
+    # data-loader workers are forked from the training process; the lock must die with it.
+    # The worker drops its copy of the lock in pitstop's after-fork handler, which runs in
+    # the child before os.fork() returns there; the worker reports through a pipe once fork
+    # has returned, and the holder says "holding" only after that report, so the holder is
+    # never killed while the worker might still hold its copy (no sleep, no guess).
     d = tmp_path / "run"
     holder = spawn("""
         mgr = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
         mgr.save(1, {"w": np.arange(8.0)}).result(timeout=60)
+        r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.close(r)
+            os.write(w, b"forked")   # after-fork handlers ran: our copy of the lock is closed
+            os.close(w)
             time.sleep(120)   # a worker, still running after its parent died
             os._exit(0)
-        print("holding", os.getpid(), pid, flush=True)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            ready = f.read()
+        print("holding", os.getpid(), pid, ready.decode() or "worker-died", flush=True)
         time.sleep(120)
     """, d)
     worker = None
     try:
-        _, _, worker = expect_line(holder, "holding").split()
+        _, _, worker, ready = expect_line(holder, "holding").split()
         worker = int(worker)
+        assert ready == "forked", "the forked worker never reported"
         with pytest.raises(pitstop.DirectoryLockedError):
             open_mgr(d)  # the holder itself still holds it
         kill(holder)
+        os.kill(worker, 0)  # the worker outlives its parent (raises if it does not)
         with open_mgr(d) as mgr:
             assert mgr.all_steps() == [1]
+        os.kill(worker, 0)  # ... and was alive all along: the lock was not freed by its death
     finally:
         kill(holder)
         if worker:
