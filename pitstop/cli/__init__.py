@@ -9,43 +9,67 @@
 ``ls``, ``inspect`` and ``verify`` open the directory read-only (no lock, nothing written),
 so they work while a trainer is writing to it. Exit status: 0 fine, 1 a checkpoint failed
 verification, 2 anything else that went wrong (bad arguments, no such directory or step,
-directory busy).
+directory busy or read-only). A failure is one line ``pitstop: ...`` on stderr that names
+the path and what to do; the command never prints a traceback.
+
+Names are those of :mod:`pitstop.core.names`: a checkpoint is ``step_<10 digits>``; one moved aside
+is ``step_<10 digits>.corrupt-<time>-<4 hex>`` or ``.abandoned-<time>-<4 hex>``; anything
+else (``step_5`` included) is not pitstop's, is listed as such and is never touched.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import re
+import shutil
+import stat
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import memtier
 from ..core.errors import CheckpointError, CorruptCheckpointError, DirectoryLockedError
-from ..core.manager import step_name
+from ..core.names import parse_aside_name, parse_step_name, step_name
 from ..core.reader import CheckpointReader, nbytes_of
 from ..core.storage import local as _local
 from ..core.storage.local import MANIFEST, META_DIR, LocalStorage
 
 OK, CORRUPT, ERROR = 0, 1, 2
-_STEP = re.compile(r"^step_(\d+)$")
-_QUARANTINED = re.compile(r"^step_\d+\.corrupt-")
-#: what LocalStorage.cleanup_incomplete() removes: interrupted saves and deletions, and
-#: interrupted writes of .pitstop/ files
+#: what pitstop names the temporaries of interrupted saves and deletions (a directory in
+#: DIR) and of interrupted writes of .pitstop/ files (a file in .pitstop/)
 _TMP_ENTRY = getattr(_local, "_TMP_ENTRY", re.compile(r"^\.tmp-.+-[0-9a-f]{8}$"))
 _TMP_META = getattr(_local, "_TMP_META", re.compile(r"^.+\.tmp-[0-9a-f]{8}$"))
+#: what the memory tier names its files after the directory's prefix: ``-<slot>.buf``, its
+#: description ``-<slot>.json``, and ``-<slot>.json.tmp`` while a description is being
+#: replaced (memtier.MemoryTier._write_text); nothing else is the tier's
+_TIER_FILE = r"-(\d+)\.(buf|json|json\.tmp)"
+#: a directory id that can name memory-tier files (pitstop writes uuid4().hex)
+_DIRECTORY_ID = re.compile(r"^[0-9A-Za-z_-]{1,128}$")
+#: errors of the environment, not of a checkpoint: it could not be checked, not "corrupt"
+_ENVIRONMENT = {errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
 
 
 class CliError(Exception):
-    """A user-facing error: printed as ``pitstop: <message>``, exit status 2."""
+    """A user-facing error: printed as ``pitstop: <message>``, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = ERROR) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 # ====================================================================== helpers
 def human_size(n: float) -> str:
+    try:
+        n = float(n)
+    except OverflowError:
+        return f"{n} B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -54,7 +78,12 @@ def human_size(n: float) -> str:
 
 
 def _time(unix: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix)) if unix else "-"
+    if not unix:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+    except (OverflowError, OSError, ValueError, TypeError):  # NaN, or past year 9999
+        return f"? ({unix!r})"
 
 
 def _metric_text(metrics: dict[str, Any]) -> str:
@@ -67,8 +96,26 @@ def _metric_text(metrics: dict[str, Any]) -> str:
 
 
 def _short(obj: Any, width: int = 100) -> str:
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(obj)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).splitlines())
+
+
+def _why(e: BaseException) -> str:
+    """An exception's reason in one line (an OSError's file and strerror)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if isinstance(e, RecursionError):
+        return "nested too deeply to parse"
+    return f"{type(e).__name__}: {e}"
 
 
 def _open(directory: str) -> LocalStorage:
@@ -76,59 +123,223 @@ def _open(directory: str) -> LocalStorage:
     if "://" in directory and not directory.startswith("file://"):
         raise CliError(f"{directory}: only local (or mounted) directories are supported")
     directory = directory.removeprefix("file://")
-    if not os.path.isdir(directory):
-        raise CliError(f"{directory}: no such directory")
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        link = " (a symbolic link to nothing)" if os.path.islink(directory) else ""
+        raise CliError(f"{directory}: no such directory{link}; check the path") from None
+    except NotADirectoryError:
+        raise CliError(
+            f"{directory}: no such directory (a part of the path is a file); check the path"
+        ) from None
+    except OSError as e:
+        raise CliError(
+            f"{directory}: cannot access it ({e.strerror}); check the path and your permissions"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a device, pipe or socket"
+        raise CliError(
+            f"{directory}: not a directory ({kind}); give the checkpoint "
+            "directory, the one that holds .pitstop/ and the step_* checkpoints"
+        )
     return LocalStorage(directory, create=False)
 
 
-def _steps(storage: LocalStorage) -> list[int]:
-    out = []
-    for name in storage.list_checkpoints():
-        m = _STEP.match(name)
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+@dataclass
+class Listing:
+    """What a checkpoint directory holds, by pitstop's names (:mod:`pitstop.core.names`)."""
+
+    location: str
+    #: committed checkpoints: ``step_<10 digits>`` directories with a manifest.json
+    steps: list[int] = field(default_factory=list)
+    #: (name, step, reason) of checkpoints moved aside: reason "corrupt" or "abandoned"
+    aside: list[tuple[str, int, str]] = field(default_factory=list)
+    #: (name, what is wrong) of ``step_<10 digits>`` entries that are no checkpoint
+    odd: list[tuple[str, str]] = field(default_factory=list)
+    #: names pitstop did not make (``step_5`` included): listed, never touched
+    foreign: list[str] = field(default_factory=list)
+    #: leftovers of interrupted saves: ``.tmp-<name>-<8 hex>`` directories and
+    #: ``.pitstop/<file>.tmp-<8 hex>`` files (what gc removes)
+    tmp: list[str] = field(default_factory=list)
+    has_meta: bool = False
 
 
-def _pick(storage: LocalStorage, step: int | None) -> int:
-    steps = _steps(storage)
+def _kind(path: str) -> int:
+    try:
+        return stat.S_IFMT(os.lstat(path).st_mode)
+    except OSError:
+        return 0
+
+
+def _scan(storage: LocalStorage) -> Listing:
+    loc = storage.location
+    try:
+        entries = sorted(os.listdir(loc))
+    except OSError as err:
+        raise CliError(f"{loc}: cannot list it ({err.strerror}); check your permissions") from None
+    out = Listing(loc)
+    for entry in entries:
+        path = os.path.join(loc, entry)
+        if entry == META_DIR:
+            continue
+        if _TMP_ENTRY.match(entry):
+            # pitstop's temporaries are directories; a file or link of that name is not one
+            (out.tmp if _kind(path) == stat.S_IFDIR else out.foreign).append(entry)
+            continue
+        if entry.startswith("."):
+            continue  # hidden files: none of pitstop's business
+        step = parse_step_name(entry)
+        if step is not None:
+            manifest = os.path.join(path, MANIFEST)
+            if os.path.isfile(manifest):  # what storage.list_checkpoints() counts
+                out.steps.append(step)
+            elif not os.path.isdir(path):
+                out.odd.append((entry, "a file, not a checkpoint directory"))
+            elif os.path.lexists(manifest):
+                out.odd.append(
+                    (
+                        entry,
+                        "manifest.json is not a regular file (a directory, or "
+                        "a link to nothing): not a committed checkpoint",
+                    )
+                )
+            else:
+                out.odd.append((entry, "no manifest.json: not a committed checkpoint"))
+            continue
+        aside = parse_aside_name(entry)
+        if aside is not None:
+            out.aside.append((entry, aside[0], aside[1]))
+        else:
+            out.foreign.append(entry)
+    out.steps.sort()
+    meta = os.path.join(loc, META_DIR)
+    out.has_meta = os.path.isdir(meta)
+    if out.has_meta:
+        try:
+            meta_entries = sorted(os.listdir(meta))
+        except OSError as err:
+            raise CliError(
+                f"{meta}: cannot list it ({err.strerror}); check your permissions"
+            ) from None
+        for entry in meta_entries:
+            if _TMP_META.match(entry):
+                is_file = _kind(os.path.join(meta, entry)) == stat.S_IFREG
+                (out.tmp if is_file else out.foreign).append(f"{META_DIR}/{entry}")
+    return out
+
+
+def _no_meta(listing: Listing) -> str:
+    meta = os.path.join(listing.location, META_DIR)
+    if os.path.lexists(meta):
+        return f"{META_DIR} is not a directory"
+    return f"no {META_DIR}/ inside"
+
+
+def _single_checkpoint_hint(listing: Listing, command: str) -> str:
+    """When DIR is itself one checkpoint (a common slip), how to name it instead."""
+    loc = listing.location
+    step = parse_step_name(os.path.basename(loc))
+    if step is None or not os.path.isfile(os.path.join(loc, MANIFEST)):
+        return ""
+    which = f" --step {step}" if command in ("inspect", "verify") else ""
+    return (
+        f"; {loc} is one checkpoint, give the directory that holds it: "
+        f"pitstop {command} {os.path.dirname(loc)}{which}"
+    )
+
+
+def _no_checkpoint(listing: Listing, command: str) -> str:
+    loc = listing.location
+    hint = _single_checkpoint_hint(listing, command)
+    if hint:
+        return f"{loc}: no committed checkpoint inside{hint}"
+    look_alike = [f for f in listing.foreign if f.startswith("step_")]
+    if look_alike:
+        return (
+            f"{loc}: no committed checkpoint ({', '.join(look_alike[:5])} are not "
+            "pitstop's: pitstop names a checkpoint step_<step padded to 10 digits>)"
+        )
+    if not listing.has_meta:
+        return (
+            f"{loc}: no committed checkpoint, and {_no_meta(listing)}: not a pitstop "
+            "checkpoint directory; check the path"
+        )
+    if listing.odd:
+        return (
+            f"{loc}: no committed checkpoint ({', '.join(n for n, _ in listing.odd[:5])} "
+            f"are not committed checkpoints; `pitstop ls {loc}` says why)"
+        )
+    return f"{loc}: no committed checkpoint (nothing was saved here yet)"
+
+
+def _pick(listing: Listing, step: int | None, command: str) -> int:
+    steps = listing.steps
     if not steps:
-        raise CliError(f"{storage.location}: no committed checkpoint")
+        raise CliError(_no_checkpoint(listing, command))
     if step is None:
         return steps[-1]
     if step not in steps:
-        raise CliError(
-            f"{storage.location}: no checkpoint of step {step} "
+        msg = (
+            f"{listing.location}: no checkpoint of step {step} "
             f"(have: {', '.join(map(str, steps[-10:]))})"
         )
+        for f in listing.foreign:
+            m = re.fullmatch(r"step_(\d+)", f)
+            if m and int(m.group(1)) == step:
+                msg += f"; {f} is not pitstop's (pitstop names step {step} {step_name(step)})"
+        raise CliError(msg)
     return step
 
 
-def _lease(storage: LocalStorage, name: str) -> Any:
-    """Hold the checkpoint's read lease, so a live trainer's retention skips it meanwhile."""
+@contextlib.contextmanager
+def _lease(storage: LocalStorage, name: str) -> Iterator[None]:
+    """Hold the checkpoint's read lease, so a live trainer's retention skips it meanwhile.
+
+    A manifest the lease cannot open (a link loop, say) is the reader's to report."""
     lease = getattr(storage, "read_lease", None)
-    return lease(name) if lease is not None else nullcontext()
+    with contextlib.ExitStack() as stack:
+        if lease is not None:
+            with contextlib.suppress(OSError):
+                stack.enter_context(lease(name))
+        yield
 
 
-def _leftovers(location: str) -> tuple[list[str], list[str]]:
-    """(``.tmp-*`` leftovers of interrupted saves, quarantined ``step_*.corrupt-*``)."""
+def _failure(e: BaseException, where: str) -> tuple[int, str]:
+    """(exit status, reason) of a checkpoint that could not be read or verified."""
+    if isinstance(e, CheckpointError):  # corrupt, or written by a newer pitstop
+        return CORRUPT, str(e)
+    if isinstance(e, OSError):
+        code = ERROR if e.errno in _ENVIRONMENT else CORRUPT
+        what = os.path.basename(e.filename) if isinstance(e.filename, str) else "its files"
+        return code, f"{where}: cannot read {what} ({e.strerror or e})"
+    if isinstance(e, RecursionError):
+        return CORRUPT, f"{where}: manifest is nested too deeply to be a pitstop manifest"
+    # core let a raw error out of a malformed checkpoint (it should say CorruptCheckpointError)
+    return CORRUPT, f"{where}: malformed checkpoint ({type(e).__name__}: {e})"
+
+
+def _reader(storage: LocalStorage, name: str) -> CheckpointReader:
+    """The checkpoint's reader (manifest parsed and validated); any failure is a CliError
+    with the right exit status: 1 when the checkpoint is at fault, 2 when it is not."""
     try:
-        entries = sorted(os.listdir(location))
-    except FileNotFoundError:
-        return [], []
-    meta = os.path.join(location, META_DIR)
-    meta_entries = sorted(os.listdir(meta)) if os.path.isdir(meta) else []
-    return (
-        [e for e in entries if _TMP_ENTRY.match(e)]
-        + [f"{META_DIR}/{e}" for e in meta_entries if _TMP_META.match(e)],
-        [e for e in entries if _QUARANTINED.match(e)],
-    )
+        return CheckpointReader(storage, name)
+    except Exception as e:  # noqa: BLE001 - every way a manifest can be broken
+        code, why = _failure(e, storage.path_of(name))
+        raise CliError(why, code) from None
+
+
+def _tolerant_streams() -> None:
+    """Print names that are not valid text (a non-UTF-8 file name) escaped, never crash."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
 
 
 # ====================================================================== ls
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
-    steps = _steps(storage)
+    listing = _scan(storage)
+    steps = listing.steps
     out = sys.stdout
     print(f"{storage.location}: {len(steps)} checkpoint{'s' * (len(steps) != 1)}", file=out)
     if steps:
@@ -136,9 +347,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for s in steps:
             mark = "*" if s == steps[-1] else ""
             try:
-                m = CheckpointReader(storage, step_name(s)).manifest
-            except CheckpointError as e:
-                rows.append((mark, str(s), "-", "-", "-", f"unreadable: {e}"))
+                m = _reader(storage, step_name(s)).manifest
+            except CliError as e:
+                rows.append((mark, str(s), "-", "-", "-", f"unreadable: {_one_line(e)}"))
                 continue
             size = sum(m.files.values())
             rows.append(
@@ -163,30 +374,83 @@ def cmd_ls(args: argparse.Namespace) -> int:
             )
             print("  ".join(cells).rstrip(), file=out)
         print("(* newest)", file=out)
-    tmp, bad = _leftovers(storage.location)
-    if tmp:
+    if listing.tmp:
         print(
-            f"{len(tmp)} leftover(s) of interrupted saves: {', '.join(tmp)} "
+            f"{len(listing.tmp)} leftover(s) of interrupted saves: {', '.join(listing.tmp)} "
             "(a writer may still be using them; `pitstop gc` removes them when none is)",
             file=out,
         )
-    if bad:
-        print(f"quarantined (failed verification, kept for inspection): {', '.join(bad)}", file=out)
+    corrupt = [n for n, _, why in listing.aside if why == "corrupt"]
+    abandoned = [n for n, _, why in listing.aside if why == "abandoned"]
+    if corrupt:
+        print(
+            f"moved aside after failing verification: {', '.join(corrupt)} (pitstop keeps "
+            "them for inspection and never restores or deletes them; delete them by hand "
+            "when done)",
+            file=out,
+        )
+    if abandoned:
+        print(
+            f"abandoned: {', '.join(abandoned)} (newer checkpoints of a run that was rolled "
+            "back to an older step, moved aside at its first new save; pitstop keeps them "
+            "and never restores or deletes them; delete them by hand when no longer "
+            "needed)",
+            file=out,
+        )
+    for name, what in listing.odd:
+        print(f"{name}: {what} (left alone)", file=out)
+    single = _single_checkpoint_hint(listing, "ls")
+    if listing.foreign and not single:  # a checkpoint's own files are not foreign to it
+        hint = (
+            "; pitstop names a checkpoint step_<step padded to 10 digits>"
+            if any(f.startswith("step_") for f in listing.foreign)
+            else ""
+        )
+        print(f"not pitstop's: {', '.join(listing.foreign)} (left alone{hint})", file=out)
+    if not listing.has_meta:
+        print(
+            f"{_no_meta(listing)}: not a pitstop checkpoint directory (or its {META_DIR}/ "
+            f"was removed){single}",
+            file=out,
+        )
     return OK
 
 
 # ====================================================================== inspect
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
-    step = _pick(storage, args.step)
+    step = _pick(_scan(storage), args.step, "inspect")
     name = step_name(step)
-    if args.json:
-        print(storage.read_bytes(name, MANIFEST).decode())
-        return OK
-    m = CheckpointReader(storage, name).manifest
+    where = storage.path_of(name)
+    with _lease(storage, name):
+        try:
+            m = _reader(storage, name).manifest  # validated before anything is printed
+        except CliError as err:
+            if err.code != CORRUPT:
+                raise
+            raise CliError(
+                f"{err}; `pitstop verify {storage.location} --all` checks the "
+                "others, and a restore moves a corrupt checkpoint aside and falls "
+                "back to the previous valid one",
+                CORRUPT,
+            ) from None
+        if args.json:
+            try:
+                text = storage.read_bytes(name, MANIFEST).decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise CliError(
+                    f"{where}: manifest.json is not UTF-8 text (byte {err.start}); "
+                    "pitstop writes UTF-8 only, so it was changed after the commit",
+                    CORRUPT,
+                ) from None
+            except Exception as err:  # noqa: BLE001 - replaced since it was validated
+                code, why = _failure(err, where)
+                raise CliError(why, code) from None
+            print(text.rstrip("\n"))
+            return OK
     out = sys.stdout
     w = m.writer
-    print(f"step {m.step}: {storage.path_of(name)}", file=out)
+    print(f"step {m.step}: {where}", file=out)
     print(
         f"  format {m.format_version}, saved {_time(m.created_unix)} by pitstop "
         f"{w.get('pitstop', '?')} on {w.get('host', '?')} (pid {w.get('pid', '?')})",
@@ -206,7 +470,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "WHERE")]
         for key, e in m.arrays.items():
             dtype = e.dtype if isinstance(e.dtype, str) else _short(e.dtype, 40)
-            where = f"{e.file}@{e.offset}" + (
+            at = f"{e.file}@{e.offset}" + (
                 "" if e.codec == "none" else f" ({e.codec}, {human_size(e.length)})"
             )
             rows.append(
@@ -215,7 +479,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     dtype,
                     "[" + ", ".join(map(str, e.shape)) + "]",
                     human_size(nbytes_of(e)),
-                    where,
+                    at,
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -244,18 +508,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ====================================================================== verify
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
+    listing = _scan(storage)
     if args.all:
-        steps = _steps(storage)
+        steps = listing.steps
         if not steps:
-            raise CliError(f"{storage.location}: no committed checkpoint")
+            raise CliError(_no_checkpoint(listing, "verify"))
     else:
-        steps = [_pick(storage, args.step)]
-    failed = 0
+        steps = [_pick(listing, args.step, "verify")]
+    failed: list[int] = []
+    unchecked: list[str] = []
     for s in steps:
         name = step_name(s)
+        where = storage.path_of(name)
         t0 = time.perf_counter()
         with _lease(storage, name):
-            if not os.path.isfile(os.path.join(storage.location, name, MANIFEST)):
+            if not os.path.lexists(os.path.join(storage.location, name, MANIFEST)):
                 # deleted by a live trainer's retention between listing and reading
                 print(f"step {s}: gone (deleted while listing), skipped")
                 continue
@@ -263,17 +530,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 reader = CheckpointReader(storage, name)
                 reader.verify()
             except CorruptCheckpointError as e:
-                failed += 1
-                where = ", ".join(
+                failed.append(s)
+                at = ", ".join(
                     f"{label} {value}"
                     for label, value in (("file", e.file), ("tensor", e.key))
                     if value
                 )
-                print(f"step {s}: CORRUPT{' (' + where + ')' if where else ''}: {e}")
+                print(f"step {s}: CORRUPT{' (' + at + ')' if at else ''}: {_one_line(e)}")
                 continue
-            except CheckpointError as e:  # e.g. written by a newer pitstop
-                failed += 1
-                print(f"step {s}: UNREADABLE: {e}")
+            except Exception as e:  # noqa: BLE001 - one broken checkpoint never stops the rest
+                code, why = _failure(e, where)
+                if code == CORRUPT:  # e.g. written by a newer pitstop, or a link loop
+                    failed.append(s)
+                else:  # e.g. permission denied: not the checkpoint's fault
+                    unchecked.append(f"step {s}: {why}")
+                print(f"step {s}: UNREADABLE: {_one_line(why)}")
                 continue
         m = reader.manifest
         dt = time.perf_counter() - t0
@@ -282,33 +553,115 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{m.hash_algorithm} verified in {dt:.2f} s)"
         )
     if failed:
-        print(f"{failed} of {len(steps)} checkpoint(s) failed verification")
-        return CORRUPT
-    return OK
+        print(f"{len(failed)} of {len(steps)} checkpoint(s) failed verification")
+        sys.stdout.flush()
+        print(
+            f"pitstop: {storage.location}: {len(failed)} of {len(steps)} checkpoint(s) failed "
+            f"verification (step {', '.join(map(str, failed))}; see above); a restore moves "
+            "a corrupt checkpoint aside and falls back to the previous valid one",
+            file=sys.stderr,
+        )
+    if unchecked:
+        sys.stdout.flush()
+        print(
+            f"pitstop: {storage.location}: could not check {len(unchecked)} checkpoint(s) "
+            f"({_one_line('; '.join(unchecked))}); fix the access and run verify again",
+            file=sys.stderr,
+        )
+    return CORRUPT if failed else ERROR if unchecked else OK
 
 
 # ====================================================================== gc
+GC_DESCRIPTION = """\
+Remove what pitstop itself left behind, and nothing else:
+
+  * leftovers of interrupted saves and deletions in DIR: directories named
+    .tmp-<name>-<8 hex>, and files named .pitstop/<file>.tmp-<8 hex>;
+  * this directory's memory-tier files in /dev/shm (or --memory-tier ROOT):
+    pitstop-<directory id>-<8 hex>-<slot>.buf, .json and .json.tmp - except a
+    snapshot of a step newer than the newest committed step, which the next
+    CheckpointManager on DIR recovers; --drop-recoverable removes that one too.
+
+gc never deletes a committed checkpoint (step_<10 digits>), a quarantined one
+(step_<10 digits>.corrupt-<time>-<4 hex>: it failed verification), an abandoned one
+(step_<10 digits>.abandoned-<time>-<4 hex>: newer steps of a run that was rolled back
+to an older step), nor anything whose name pitstop did not make (step_5, your own
+files): delete those by hand. It runs only while no writer holds DIR.
+"""
+
+
+def _write_error(loc: str, e: OSError) -> str:
+    if e.errno == errno.EROFS:
+        return (
+            f"{loc}: on a read-only file system, so gc can remove nothing there; remount "
+            "it read-write (or run gc where it is mounted writable); "
+            f"`pitstop gc --dry-run {loc}` lists what gc would remove"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"{loc}: permission denied ({e.filename}); run gc as the user that owns the "
+            f"checkpoints; `pitstop gc --dry-run {loc}` lists what gc would remove"
+        )
+    return (
+        f"{e.filename or loc}: cannot take the directory's writer lock ({e.strerror}); "
+        f"{META_DIR}/lock must be a regular file: move whatever is there away and run "
+        "gc again"
+    )
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
-    if not os.path.isdir(os.path.join(storage.location, META_DIR)):
+    loc = storage.location
+    listing = _scan(storage)
+    if not listing.has_meta:
         raise CliError(
-            f"{storage.location}: not a pitstop checkpoint directory (no {META_DIR}/ inside)"
+            f"{loc}: not a pitstop checkpoint directory ({_no_meta(listing)}); gc only tidies "
+            "a directory a CheckpointManager wrote" + _single_checkpoint_hint(listing, "gc")
         )
+    root = _tier_root(args)
+    notes: list[str] = []
+    lock = None
     try:
         lock = storage.lock()  # no writer may be mid-save while we delete its temporaries
     except DirectoryLockedError as e:
-        raise CliError(f"{e} gc only runs while no writer holds the directory.") from None
+        raise CliError(
+            f"{_one_line(e)} gc only runs while no writer holds the directory."
+        ) from None
+    except OSError as e:
+        if not (args.dry_run and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
+            raise CliError(_write_error(loc, e)) from None
+        # a dry run removes nothing; where no writer can write, none can be mid-save either
+        notes.append(
+            f"note: {loc} is not writable ({e.strerror}): a real gc could remove "
+            "nothing there (read-only file system, or no permission)"
+        )
+    removed: list[str] = []
+    kept: list[str] = []
+    failures: list[str] = []
+    problems: list[str] = []
     try:
-        removed: list[str] = []
-        kept: list[str] = []
-        tmp, _ = _leftovers(storage.location)
-        if args.dry_run:
-            removed += tmp
-        else:
-            removed += storage.cleanup_incomplete()
-        removed += _gc_memory_tier(storage, args, kept)
+        listing = _scan(storage)  # again, now that no writer can be mid-save
+        for rel in listing.tmp:
+            if args.dry_run:
+                removed.append(rel)
+                continue
+            path = os.path.join(loc, rel)
+            try:
+                if rel.startswith(META_DIR + "/"):
+                    os.unlink(path)
+                else:
+                    shutil.rmtree(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                failures.append(f"{path} ({e.strerror})")
+                continue
+            removed.append(rel)
+        if root is not None:
+            removed += _gc_memory_tier(storage, root, listing, args, kept, failures, problems)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")
@@ -316,47 +669,141 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"kept {line}")
     print(
         f"{verb} {len(removed)} leftover(s); committed checkpoints untouched "
-        f"({len(_steps(storage))} in {storage.location})"
+        f"({len(listing.steps)} in {loc})"
     )
-    return OK
+    for note in notes:
+        print(note)
+    sys.stdout.flush()
+    if failures:
+        print(
+            f"pitstop: could not remove {len(failures)} of pitstop's leftovers: "
+            f"{_one_line(', '.join(failures))}; make them writable (or the file system "
+            "read-write) and run gc again",
+            file=sys.stderr,
+        )
+    for problem in problems:
+        print(f"pitstop: {_one_line(problem)}", file=sys.stderr)
+    return ERROR if failures or problems else OK
 
 
-def _gc_memory_tier(storage: LocalStorage, args: argparse.Namespace, kept: list[str]) -> list[str]:
-    """Remove this directory's memory-tier files, except a snapshot a restart would recover."""
-    root = args.memory_tier or memtier.default_root()
-    raw = storage.read_meta("directory.json")
-    if root is None or raw is None or not os.path.isdir(root):
-        return []
+def _tier_root(args: argparse.Namespace) -> str | None:
+    if args.memory_tier is None:
+        return memtier.default_root()
+    root = args.memory_tier
+    if not os.path.isdir(root):
+        what = "not a directory" if os.path.exists(root) else "no such directory"
+        raise CliError(
+            f"{root}: {what} (--memory-tier); give the directory the memory tier "
+            "lives in (default /dev/shm)"
+        )
+    return root
+
+
+def _directory_id(storage: LocalStorage) -> tuple[str | None, str | None]:
+    """(the directory's id, None), (None, what is wrong with directory.json), or (None, None)
+    where there is none (nothing was ever written here, so no memory tier either)."""
     try:
-        directory_id = str(json.loads(raw)["directory_id"])
-    except (ValueError, KeyError, TypeError):
+        raw = storage.read_meta("directory.json")
+    except OSError as e:
+        return None, f"cannot read it ({e.strerror})"
+    if raw is None:
+        return None, None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None, "not valid JSON"
+    if not isinstance(doc, dict):
+        return None, f"not a JSON object (found {_short(doc, 40)})"
+    ident = doc.get("directory_id")
+    if not isinstance(ident, str) or not _DIRECTORY_ID.match(ident):
+        return None, f"no valid directory_id in it (found {_short(ident, 40)})"
+    return ident, None
+
+
+def _tier_meta(path: str) -> dict[str, Any] | None:
+    """A memory-tier description, or None when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _gc_memory_tier(
+    storage: LocalStorage,
+    root: str,
+    listing: Listing,
+    args: argparse.Namespace,
+    kept: list[str],
+    failures: list[str],
+    problems: list[str],
+) -> list[str]:
+    """Remove this directory's memory-tier files, except a snapshot a restart would recover.
+
+    Only regular files named exactly ``<prefix>-<slot>.buf|.json[.tmp]`` are the tier's."""
+    ident, problem = _directory_id(storage)
+    if ident is None:
+        if problem is not None:
+            where = hashlib.sha1(os.path.realpath(storage.location).encode()).hexdigest()[:8]
+            problems.append(
+                f"{os.path.join(storage.location, META_DIR, 'directory.json')}: {problem}; "
+                f"memory-tier files in {root} left alone, as gc cannot tell which are this "
+                f"directory's: delete {os.path.join(root, f'pitstop-*-{where}-*')} by hand "
+                "once no job uses this directory"
+            )
         return []
-    tier = memtier.MemoryTier(root, storage.location, directory_id)
-    steps = _steps(storage)
-    newest = steps[-1] if steps else None
+    tier = memtier.MemoryTier(root, storage.location, ident)
+    stem = os.path.basename(tier.prefix)
+    pattern = re.compile("^" + re.escape(stem) + _TIER_FILE + "$")
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        failures.append(f"{root} (cannot list it: {e.strerror})")
+        return []
+    ours = sorted(
+        n for n in names if pattern.match(n) and _kind(os.path.join(root, n)) == stat.S_IFREG
+    )
+    newest = listing.steps[-1] if listing.steps else None
     keep: set[str] = set()
     if not args.drop_recoverable:
-        for meta, buf_path in tier.candidates():
+        for n in ours:
+            m = pattern.match(n)
+            assert m is not None
+            if m.group(2) != "json":
+                continue
+            buf = f"{stem}-{m.group(1)}.buf"
+            meta = _tier_meta(os.path.join(root, n))
+            if meta is None or buf not in ours:
+                continue
+            step = meta.get("step")
+            if type(step) is not int:  # noqa: E721 - True is no step
+                continue  # a description that says no step describes no snapshot
             try:
                 why = tier.trusted(meta, newest)
             except (KeyError, TypeError, ValueError):
                 continue
-            if why is None and os.path.isfile(buf_path):
-                meta_path = buf_path[: -len(".buf")] + ".json"
-                keep |= {buf_path, meta_path}
+            if why is None:
+                keep |= {n, buf}
                 kept.append(
-                    f"{buf_path}: snapshot of step {meta.get('step')}, newer than the "
-                    "newest committed step; the next CheckpointManager on this "
-                    "directory recovers it (--drop-recoverable removes it)"
+                    f"{os.path.join(root, buf)}: snapshot of step {step}, newer than the "
+                    "newest committed step; the next CheckpointManager on this directory "
+                    "recovers it (--drop-recoverable removes it)"
                 )
-    doomed = sorted(p for p in glob.glob(f"{tier.prefix}-*") if p not in keep)
-    if not args.dry_run:
-        for path in doomed:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-    return doomed
+    doomed = [os.path.join(root, n) for n in ours if n not in keep]
+    if args.dry_run:
+        return doomed
+    removed = []
+    for path in doomed:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failures.append(f"{path} ({e.strerror})")
+            continue
+        removed.append(path)
+    return removed
 
 
 # ====================================================================== main
@@ -371,14 +818,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pitstop {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    s = sub.add_parser("ls", help="list committed checkpoints (step, time, size, metrics)")
+    s = sub.add_parser(
+        "ls",
+        help="list committed checkpoints (step, time, size, metrics), "
+        "checkpoints moved aside, leftovers and entries that are not pitstop's",
+    )
     s.add_argument("dir", metavar="DIR")
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("inspect", help="show one checkpoint's manifest (newest by default)")
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--step", type=int, help="the step to show (default: the newest)")
-    s.add_argument("--json", action="store_true", help="print the raw manifest.json")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print the raw manifest.json (after validating it; a corrupt one "
+        "prints nothing and exits 1)",
+    )
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("verify", help="read every array and check its hash (newest by default)")
@@ -391,7 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "gc",
         help="remove leftovers of interrupted saves and stale memory-tier "
-        "files (never a committed checkpoint)",
+        "files (never a checkpoint, nor anything pitstop did not name)",
+        description=GC_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("dir", metavar="DIR")
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
@@ -413,24 +871,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pitstop`` console script; returns the exit status."""
+    _tolerant_streams()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except CliError as e:
-        print(f"pitstop: {e}", file=sys.stderr)
-        return ERROR
-    except CorruptCheckpointError as e:  # e.g. `inspect` of a checkpoint with a broken manifest
-        print(f"pitstop: {e}", file=sys.stderr)
+        print(f"pitstop: {_one_line(e)}", file=sys.stderr)
+        return e.code
+    except CorruptCheckpointError as e:
+        print(f"pitstop: {_one_line(e)}", file=sys.stderr)
         return CORRUPT
     except CheckpointError as e:
-        print(f"pitstop: {e}", file=sys.stderr)
+        print(f"pitstop: {_one_line(e)}", file=sys.stderr)
         return ERROR
     except BrokenPipeError:  # `pitstop ls DIR | head`
         sys.stderr.close()
         return OK
     except KeyboardInterrupt:
         return 130
+    except OSError as e:  # a path the commands above did not expect to fail
+        print(f"pitstop: {_one_line(_why(e))}", file=sys.stderr)
+        return ERROR
+    except Exception as e:  # noqa: BLE001 - the last resort: never a traceback
+        if os.environ.get("PITSTOP_DEBUG"):
+            raise
+        print(
+            f"pitstop: internal error ({_one_line(_why(e))}); this is a bug in pitstop: "
+            "please report it with the output of the same command run with PITSTOP_DEBUG=1",
+            file=sys.stderr,
+        )
+        return ERROR
 
 
 __all__ = ["main", "build_parser", "human_size"]

@@ -182,6 +182,11 @@ def test_gc_memory_tier_drops_stale_files_keeps_recoverable(ckdir, tmp_path, cap
         "boot_id": memtier.boot_id(),
         "directory": os.path.realpath(ckdir),
         "directory_id": ident,
+        # a well-formed description of a snapshot of one float64 array of 8 elements
+        "layout": {"total": 64, "group_starts": [0], "arrays": [["w", "<f8", [8], 0, 64]]},
+        "values": {},
+        "structure": {},
+        "hashes": None,
     }
     # slot 0: already committed (stale); slot 1: newer than anything on disk (recoverable);
     # slot 2: an unsealed buffer (stale); another directory's files are never touched
