@@ -16,6 +16,7 @@ from .core.errors import (
     CorruptCheckpointError,
     DirectoryLockedError,
     IncompatibleTargetError,
+    InvalidArgumentError,
     StepExistsError,
     UnsupportedFormatError,
     UnsupportedStateError,
@@ -35,7 +36,7 @@ from .core.policy import (
 
 __all__ = [
     "CheckpointManager", "SaveHandle", "SaveStats", "RNG",
-    "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError",
+    "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError", "InvalidArgumentError",
     "UnsupportedFormatError", "DirectoryLockedError", "CheckpointNotFoundError",
     "StepExistsError", "CheckpointWriteError", "UnsupportedStateError",
     "EveryNSteps", "EverySeconds", "OnImprovement", "AutoInterval", "AnyOf",

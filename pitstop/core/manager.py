@@ -15,6 +15,7 @@ releases what it holds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import math
@@ -232,6 +233,8 @@ class CheckpointManager:
         ctx.metrics = _clean_metrics(metrics, self.best_metric) if metrics else None
         if not policy.should_save(step, ctx):
             return None
+        if self._rolled_back_to is not None:
+            self._abandon_newer_than(self._rolled_back_to)
         if step in self._catalog.index or step in engine.pending_steps():
             self._warn_once(
                 f"exists:{step}",
@@ -249,6 +252,8 @@ class CheckpointManager:
         engine = self._writer()
         step = _step_arg(step)
         engine.raise_pending()
+        if self._rolled_back_to is not None:
+            self._abandon_newer_than(self._rolled_back_to)
         if step in self._catalog.index:
             raise StepExistsError(
                 f"{self.storage.path_of(step_name(step))} already exists; pitstop never "
@@ -636,6 +641,8 @@ class CheckpointManager:
         name = signal_name(signum)
         try:
             handle = None
+            if self._rolled_back_to is not None:
+                self._abandon_newer_than(self._rolled_back_to)
             if step not in self._catalog.index and step not in self._engine.pending_steps():
                 handle = self._save(step, state, metrics, block=True, periodic=False)
             self.wait()
@@ -761,7 +768,8 @@ class _TierFallback:
                 "/dev/shm), or pass memory_tier='<dir on a larger tmpfs>'; to silence this, "
                 "memory_tier=False.")
         log.warning("%s", text)
-        warnings.warn(text, stacklevel=2)
+        # user code <- save/step <- _save <- snapshot <- acquire <- _allocate <- here
+        warnings.warn(text, stacklevel=7)
 
 
 def _mib(n: int | None) -> str:
@@ -896,13 +904,16 @@ def _wrap_os(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> A
     try:
         return fn(*args, **kwargs)
     except OSError as e:
-        what = {
-            "NotADirectoryError": "is not a directory (or a part of its path is a file)",
-            "FileExistsError": "holds a file where pitstop needs a directory "
-                               f"({e.filename})",
-            "PermissionError": "is not writable by this process (open it with read_only=True "
-                               "to restore or load only)",
-        }.get(type(e).__name__, f"cannot be used ({type(e).__name__}: {e})")
+        if isinstance(e, NotADirectoryError):
+            what = "is not a directory (or a part of its path is a file)"
+        elif isinstance(e, FileExistsError):
+            what = f"holds a file where pitstop needs a directory ({e.filename})"
+        elif isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES,
+                                                            errno.EPERM):
+            what = (f"is not writable by this process ({e.strerror}); open it with "
+                    "read_only=True to restore or load only")
+        else:
+            what = f"cannot be used ({type(e).__name__}: {e})"
         raise CheckpointError(f"checkpoint directory {where} {what}") from e
 
 
