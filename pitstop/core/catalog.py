@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from .storage import Storage
 log = logging.getLogger("pitstop")
 
 IDENTITY = "directory.json"
+_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 INDEX = "index.json"
 
 
@@ -46,10 +48,11 @@ def read_identity(storage: Storage, *, required: bool) -> str | None:
     try:
         doc = json.loads(raw)
         ident = doc["directory_id"]
-        if not isinstance(ident, str) or not ident:
-            raise TypeError("directory_id is not a non-empty string")
+        if not isinstance(ident, str) or not _ID.match(ident):
+            # the id names memory-tier files: nothing but letters, digits, - and _
+            raise TypeError(f"directory_id {ident!r} is not 1-64 letters, digits, - or _")
         return ident
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         if not required:
             log.warning("pitstop: %s/.pitstop/%s is malformed (%s); reading without it",
                         storage.location, IDENTITY, e)
@@ -96,7 +99,14 @@ class Catalog:
 
     def reconcile(self, write: bool) -> None:
         """Load what retention knows; rebuild entries from manifests where it is stale."""
-        raw = self.storage.read_meta(INDEX)
+        try:
+            raw = self.storage.read_meta(INDEX)
+        except OSError as e:
+            if write:
+                raise
+            log.warning("pitstop: cannot read %s/.pitstop/%s (%s); reading the manifests "
+                        "instead", self.storage.location, INDEX, e)
+            raw = None
         known: dict[int, CheckpointInfo] = {}
         if raw is not None:
             try:
@@ -110,7 +120,8 @@ class Catalog:
                     known[int(s)] = CheckpointInfo(int(s), metrics,
                                                    bool(d.get("ours")), d.get("all_finite"),
                                                    bool(d.get("protected")))
-            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
+                    RecursionError):
                 log.warning("pitstop: %s/.pitstop/%s is unreadable; rebuilding it",
                             self.storage.location, INDEX)
                 known = {}

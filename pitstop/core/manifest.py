@@ -22,6 +22,7 @@ FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
 MAJOR = 1
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2})$")
 
 #: major version -> function upgrading a manifest dict of that major to the next one.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
@@ -123,6 +124,9 @@ def parse(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the checkpoint in errors."""
     try:
         doc = json.loads(data)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: manifest is nested too deeply to be one",
+                                     checkpoint=where) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})",
                                      checkpoint=where) from None
@@ -169,6 +173,8 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         entry = ArrayEntry(dtype=e["dtype"], shape=[int(s) for s in e["shape"]], file=e["file"],
                            offset=int(e["offset"]), length=int(e["length"]), hash=str(e["hash"]),
                            codec=e.get("codec", "none"))
+        if not _CODEC.match(str(entry.codec)):
+            raise ValueError(f"array {key!r}: unknown codec {entry.codec!r}")
         if entry.file not in files:
             raise CorruptCheckpointError(
                 f"{where}: array {key!r} points to file {entry.file!r}, which the checkpoint "
@@ -186,8 +192,11 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
                 f"{math.prod(entry.shape) * dt.itemsize}", checkpoint=where, key=key)
         arrays[key] = entry
     step = doc["step"]
-    if not isinstance(step, int):
+    if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError(f"step {step!r} is not an integer")
+    from .hashing import ALGORITHMS
+    if doc["hash_algorithm"] not in ALGORITHMS:
+        raise ValueError(f"unknown hash_algorithm {doc['hash_algorithm']!r}")
     return Manifest(
         step=step, arrays=arrays, values=dict(doc.get("values", {})),
         structure=doc.get("structure"), files=files,

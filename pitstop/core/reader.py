@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ import numpy as np
 
 from . import codecs
 from .dtypes import decode_dtype
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
 from .restore import RestoredStep, RestorePlan, RestoreReport
@@ -51,8 +52,8 @@ class CheckpointReader:
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.where}: manifest.json is missing",
                                          checkpoint=self.where) from None
-        except PermissionError as e:  # e.g. a manifest.json symlinked to outside the checkpoint
-            raise CorruptCheckpointError(f"{self.where}: {e}", checkpoint=self.where) from None
+        except OSError as e:
+            raise _os_error(self.where, MANIFEST, e) from None
         self.manifest: Manifest = parse(data, self.where)
 
     # ------------------------------------------------------------------ checks
@@ -64,9 +65,8 @@ class CheckpointReader:
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.where}: data file {fname} is missing",
                                              checkpoint=self.where, file=fname) from None
-            except PermissionError as e:
-                raise CorruptCheckpointError(f"{self.where}: {e}", checkpoint=self.where,
-                                             file=fname) from None
+            except OSError as e:
+                raise _os_error(self.where, fname, e) from None
             if actual != length:
                 raise CorruptCheckpointError(
                     f"{self.where}: data file {fname} has {actual} bytes, the manifest recorded "
@@ -119,9 +119,8 @@ class CheckpointReader:
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.where}: data file {entry.file} is missing",
                                          checkpoint=self.where, file=entry.file) from None
-        except PermissionError as e:
-            raise CorruptCheckpointError(f"{self.where}: {e}", checkpoint=self.where,
-                                         file=entry.file) from None
+        except OSError as e:
+            raise _os_error(self.where, entry.file, e) from None
 
     def _corrupt(self, key: str, entry: ArrayEntry, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -197,8 +196,8 @@ class _FileSource:
         if opener is not None:
             try:
                 self.fd = opener(reader.name, fname)
-            except (FileNotFoundError, PermissionError):
-                self.fd = None  # the plain path below reports it as corruption
+            except OSError:
+                self.fd = None  # the plain path below reports it
         self.window = np.empty(0, np.uint8)
         self.w_start = self.w_end = 0
 
@@ -228,6 +227,25 @@ def _pread(fd: int, out: np.ndarray, offset: int) -> int:
     if not out.flags.c_contiguous:
         raise ValueError("reads go into C-contiguous buffers only")
     return pread_full(fd, out.reshape(-1).view(np.uint8).data if out.size else bytearray(), offset)
+
+
+#: errors that say the checkpoint's own files are not what the manifest describes (moved
+#: aside as corrupt); any other OSError (an I/O error, a full cache) is a read failure
+_STRUCTURAL = (errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EACCES,
+               errno.EPERM)
+
+
+def _os_error(where: str, fname: str, e: OSError) -> CheckpointError:
+    """A CheckpointError for an OSError met while reading ``fname`` of a checkpoint."""
+    if isinstance(e, PermissionError) and e.errno is None:
+        # LocalStorage refusing a path that leads outside the checkpoint (a symlink)
+        return CorruptCheckpointError(f"{where}: {e}", checkpoint=where, file=fname)
+    if e.errno in _STRUCTURAL:
+        return CorruptCheckpointError(
+            f"{where}: {fname} cannot be read ({e.strerror or e}): not the file the "
+            "manifest describes", checkpoint=where, file=fname)
+    return CheckpointError(f"{where}: reading {fname} failed ({type(e).__name__}: {e}); the "
+                           "checkpoint may be intact: retry, or check the storage")
 
 
 def nbytes_of(entry: ArrayEntry) -> int:

@@ -116,7 +116,7 @@ class _BufferStorage:
     def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
         view = memoryview(out).cast("B")
         src = self.buf.buf[offset:offset + len(view)]
-        view[: len(src)] = memoryview(src)
+        view[: len(src)] = src.data
         return len(src)
 
 

@@ -115,6 +115,8 @@ class RestorePlan:
         self.skipped_adapters: set[str] = set()
         #: numpy-scalar keys whose checkpoint string length differs (replaced anyway)
         self.resized: set[str] = set()
+        #: numpy scalars read (as 0-d arrays), put back as scalars in the apply phase
+        self.scalars: dict[str, np.ndarray] = {}
         self.ck = _Keys(())
         #: target entries already written (for the message when corruption stops a restore)
         self.written: list[str] = []
@@ -300,10 +302,11 @@ class RestorePlan:
         scalars = [k for k in flat.scalars if k in m.arrays and k not in self._skip()]
         for key in scalars:
             if key in self.resized:
-                flat.arrays[key] = _Fresh(reader.read_array(key, m.arrays[key]))
+                self.scalars[key] = reader.read_array(key, m.arrays[key])
             else:
                 leaf = flat.arrays[key]
-                reader.read_array(key, m.arrays[key], leaf.array)  # type: ignore[attr-defined]
+                self.scalars[key] = reader.read_array(
+                    key, m.arrays[key], leaf.array)  # type: ignore[attr-defined]
         skip = self._skip()
         todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
                 if k in m.arrays and k not in skip and k not in flat.scalars]
@@ -393,9 +396,9 @@ class RestorePlan:
                     raise AssertionError("the plan refuses a root that cannot change in place")
                 put(parent[0], parent[1], merged)
         for key, (container, k) in flat.scalars.items():
-            if key in skip or key not in m.arrays or container is None:
+            if key not in self.scalars or container is None:
                 continue
-            put(container, k, flat.arrays[key].array[()])  # type: ignore[attr-defined]
+            put(container, k, self.scalars[key][()])
         # rebuild the tuples that changed, innermost first, each put back into its parent
         while pending:
             tid = max(pending, key=lambda t: len(flat.tuples[t][0]))
@@ -423,13 +426,6 @@ class RestorePlan:
                     f"{': ' + ', '.join(done[:10]) if done else ''}; restore again into a "
                     "matching state, or rebuild the objects.", mismatched=[key]) from e
             done.append(_root_key(path))
-
-
-class _Fresh:
-    """A numpy scalar read into a new array (its string length changed)."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
 
 
 def _spec(key: str, entry: ArrayEntry) -> ArraySpec:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 import weakref
@@ -23,7 +24,7 @@ from .base import Storage, Transaction, Writer
 TMP_PREFIX = ".tmp-"
 #: what begin()/delete() name their temporaries (and write_meta inside META_DIR): cleanup
 #: removes these only, never anything else a user keeps in the directory
-_TMP_ENTRY = re.compile(r"^\.tmp-.+-[0-9a-f]{8}$")
+_TMP_ENTRY = re.compile(r"^\.tmp-(deleting-)?step_\d{10,}-[0-9a-f]{8}$")
 _TMP_META = re.compile(r"^.+\.tmp-[0-9a-f]{8}$")
 META_DIR = ".pitstop"
 MANIFEST = "manifest.json"
@@ -39,6 +40,14 @@ def pread_full(fd: int, out: Any, offset: int) -> int:
             break
         total += got
     return total
+
+
+def _is(path: str, kind: Any) -> bool:
+    """``kind(mode)`` of ``path`` itself (never following a symlink); False if it is gone."""
+    try:
+        return bool(kind(os.lstat(path).st_mode))
+    except OSError:
+        return False
 
 
 def fsync_dir(path: str) -> None:
@@ -193,16 +202,22 @@ class LocalStorage(Storage):
         return new
 
     def cleanup_incomplete(self) -> list[str]:
+        """Remove what interrupted saves, deletions and index writes left; only entries whose
+        name and type pitstop makes (a directory ``.tmp-step_…``, a file ``.pitstop/….tmp-…``),
+        and only those really removed are returned."""
         removed = []
         for entry in os.listdir(self.location):
-            if _TMP_ENTRY.match(entry):
-                shutil.rmtree(os.path.join(self.location, entry), ignore_errors=True)
-                removed.append(entry)
+            path = os.path.join(self.location, entry)
+            if _TMP_ENTRY.match(entry) and _is(path, stat.S_ISDIR):
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.lexists(path):
+                    removed.append(entry)
         meta = os.path.join(self.location, META_DIR)
-        for entry in os.listdir(meta) if os.path.isdir(meta) else []:
-            if _TMP_META.match(entry):  # a write_meta interrupted before its rename
+        for entry in os.listdir(meta) if _is(meta, stat.S_ISDIR) else []:
+            path = os.path.join(meta, entry)
+            if _TMP_META.match(entry) and _is(path, stat.S_ISREG):  # an interrupted write_meta
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(meta, entry))
+                    os.unlink(path)
                 removed.append(f"{META_DIR}/{entry}")
         return removed
 
@@ -257,6 +272,9 @@ class LocalStorage(Storage):
                 return f.read()
         except FileNotFoundError:
             return None
+        except IsADirectoryError:
+            raise OSError(errno.EISDIR, f"{META_DIR}/{relpath} is a directory, not pitstop's "
+                          "file", os.path.join(self.location, META_DIR, relpath)) from None
 
     # ------------------------------------------------------------------ lock
     def lock(self) -> Any:

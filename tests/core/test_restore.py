@@ -1,0 +1,316 @@
+"""Restore you can trust: every state shape comes back in place (same containers, same
+types), every key a dict can hold round-trips or is refused at save time, a restore refused
+for a reason known without the data changes nothing, corruption found mid-stream says what
+it overwrote, and adapters restore like their own load_state_dict."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import logging
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pitstop
+from pitstop.adapters.registry import _adapters, register_adapter
+from pitstop.core.names import step_name
+from pitstop.core.tree import ArraySpec
+
+
+def open_mgr(directory, **kw) -> pitstop.CheckpointManager:
+    kw.setdefault("memory_tier", False)
+    kw.setdefault("save_on_signals", None)
+    return pitstop.CheckpointManager(directory, **kw)
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+# ------------------------------------------------------------------ state shapes
+@pytest.mark.parametrize("saved, target", [
+    ({"epoch": 3, "lr": 0.1}, {"epoch": 0, "lr": 0.0}),
+    ([1, "a", None], [0, "", 5]),
+    ({"cfg": {"nested": [1, 2, {"k": "v"}]}}, {"cfg": {}}),
+], ids=["flat-dict", "list", "nested"])
+def test_a_state_without_arrays_is_restored_in_place(tmp_path, saved, target):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, saved).wait()
+        ident = id(target)
+        assert mgr.restore(target) == 1
+        assert target == saved and id(target) == ident
+
+
+def test_containers_keep_their_type_and_aliases_stay_the_restored_objects(tmp_path):
+    def state(n: int) -> dict:
+        return {
+            "w": np.full(4, n, np.float32),
+            "cfg": Point(n, n + 1),                       # values only: rebuilt, same type
+            "mixed": Point(np.full(2, n), n),              # array inside: rebuilt around it
+            "od": collections.OrderedDict([("b", n), ("a", [n])]),
+            "dd": collections.defaultdict(list, {"k": [n]}),
+            "counters": {"seen": n, "hist": [n, n]},
+        }
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, state(1)).wait()
+        target = state(0)
+        counters, hist, od, dd = (target["counters"], target["counters"]["hist"],
+                                  target["od"], target["dd"])
+        arr = target["mixed"].x
+        assert mgr.restore(target) == 1
+        assert type(target["cfg"]) is Point and target["cfg"] == Point(1, 2)
+        assert type(target["mixed"]) is Point and target["mixed"].x is arr
+        assert arr.tolist() == [1, 1] and target["mixed"].y == 1
+        assert target["od"] is od and type(od) is collections.OrderedDict
+        assert list(od.items()) == [("b", 1), ("a", [1])]
+        assert target["dd"] is dd and dd.default_factory is list and dd["k"] == [1]
+        assert target["counters"] is counters and counters["hist"] is hist and hist == [1, 1]
+        assert counters["seen"] == 1
+
+
+def test_an_immutable_root_that_would_change_is_refused_before_writing(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, (np.arange(3.0), 5)).wait()
+        target = (np.zeros(3), 6)
+        with pytest.raises(pitstop.IncompatibleTargetError, match="tuple") as info:
+            mgr.restore(target)
+        assert "load()" in str(info.value)
+        assert target[0].tolist() == [0, 0, 0]
+        same = (np.zeros(3), 5)  # nothing to change in place but the array: fine
+        assert mgr.restore(same) == 1 and same[0].tolist() == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ keys
+def test_empty_and_root_like_keys_round_trip_without_colliding(tmp_path):
+    a, b, c = np.arange(3), np.ones(2), np.full(4, 7.0)
+    saved = {"": a, "<root>": b, "e": {"": {"x": c}, "x": np.zeros(1)}, "~2": np.ones(5)}
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, saved).wait()
+        loaded = mgr.load()
+        for key, want in [("", a), ("<root>", b), ("~2", np.ones(5))]:
+            np.testing.assert_array_equal(loaded[key], want)
+        np.testing.assert_array_equal(loaded["e"][""]["x"], c)
+        np.testing.assert_array_equal(loaded["e"]["x"], np.zeros(1))
+        target = {"": np.zeros(3, int), "<root>": np.zeros(2), "~2": np.zeros(5),
+                  "e": {"": {"x": np.zeros(4)}, "x": np.ones(1)}}
+        assert mgr.restore(target) == 1
+        np.testing.assert_array_equal(target[""], a)
+        np.testing.assert_array_equal(target["<root>"], b)
+        np.testing.assert_array_equal(target["e"][""]["x"], c)
+        np.testing.assert_array_equal(target["e"]["x"], np.zeros(1))
+
+
+def test_every_key_a_value_dict_can_hold_round_trips(tmp_path):
+    values = {"k": {float("nan"): 1, float("inf"): 2, 1.5: 3, (1, "a"): 4, b"raw": 5,
+                    None: 6, True: 7, 2: 8, "2": 9, "$dict": 10, "": 11, "a/b~": 12}}
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.zeros(1), **values}).wait()
+        got = mgr.load()["k"]
+        assert len(got) == len(values["k"])
+        assert [k for k in got if isinstance(k, float) and k != k] and got[float("inf")] == 2
+        for k in (1.5, (1, "a"), b"raw", None, True, 2, "2", "$dict", "", "a/b~"):
+            assert got[k] == values["k"][k], k
+
+
+@pytest.mark.parametrize("key", [True, 1.5, (1, 2), None, b"x"])
+def test_keys_beside_arrays_that_cannot_have_a_path_are_refused_at_save(tmp_path, key):
+    with open_mgr(tmp_path / "ck") as mgr:
+        with pytest.raises(pitstop.UnsupportedStateError, match="str or int"):
+            mgr.save(1, {"m": {key: np.zeros(2)}})
+        assert mgr.all_steps() == []
+
+
+# ------------------------------------------------------------------ all or nothing
+def test_overlapping_numpy_target_is_refused_before_anything_is_written(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"a": np.arange(3.0), "z": np.arange(6.0).reshape(3, 2)}).wait()
+        base = np.zeros(2)
+        expanded = np.lib.stride_tricks.as_strided(base, (3, 2), (0, 8))  # writable, stride 0
+        target = {"a": np.zeros(3), "z": expanded}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="share memory") as info:
+            mgr.restore(target)
+        assert "z" in str(info.value) and "nothing was changed" in str(info.value)
+        assert target["a"].tolist() == [0, 0, 0] and base.tolist() == [0, 0]
+
+
+class Box:
+    """A user object with its own adapter (below) that can refuse and replace."""
+
+    def __init__(self, n: int, size: int = 3) -> None:
+        self.arrays = {f"a{i}": np.full(size, float(n)) for i in range(n)}
+        self.limit = n
+        self.applied: list[Any] = []
+
+
+class BoxAdapter:
+    replace_on_mismatch = True
+
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, Box)
+
+    def capture(self, obj: Box) -> Any:
+        return {"arrays": obj.arrays, "limit": obj.limit}
+
+    def check(self, obj: Box, tree: Any) -> None:
+        if tree["limit"] > 10:
+            raise pitstop.IncompatibleTargetError(f"limit {tree['limit']} is too high for a Box")
+        for spec in tree["arrays"].values():
+            assert isinstance(spec, ArraySpec)
+
+    def apply(self, obj: Box, tree: Any) -> None:
+        obj.applied.append(tree)
+        obj.arrays = tree["arrays"]
+        obj.limit = tree["limit"]
+
+    def caveats(self, obj: Box) -> list[str]:
+        return ["a Box with limit 7 resumes approximately; use limit 6"] if obj.limit == 7 else []
+
+
+@pytest.fixture
+def box_adapter():
+    adapter = BoxAdapter()
+    register_adapter(adapter)
+    yield adapter
+    _adapters.remove(adapter)
+
+
+def test_an_adapter_that_refuses_stops_the_restore_before_any_byte_is_written(
+        tmp_path, box_adapter):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.arange(4.0), "box": Box(2)}).wait()
+        box = Box(2)
+        box.limit = 11
+        mgr.save(2, {"w": np.arange(4.0) + 10, "box": box}).wait()
+        target = {"w": np.zeros(4), "box": Box(2)}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="too high") as info:
+            mgr.restore(target, step=2)
+        assert "box (Box)" in str(info.value) and "nothing was changed" in str(info.value)
+        assert target["w"].tolist() == [0, 0, 0, 0] and target["box"].applied == []
+        # with strict=False the refusing object is left out, the rest restored
+        step = mgr.restore(target, step=2, strict=False)
+        assert step.mismatched_keys == ["box"] and target["w"].tolist() == [10, 11, 12, 13]
+        assert target["box"].applied == []
+
+
+def test_replace_on_mismatch_hands_apply_the_checkpoints_subtree(tmp_path, box_adapter):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"box": Box(3)}).wait()
+        # same layout: arrays restored in place, apply gets the live objects
+        same = Box(3)
+        live = same.arrays["a0"]
+        live[:] = -1
+        assert mgr.restore({"box": same}) == 1
+        assert same.arrays["a0"] is live and live.tolist() == [3, 3, 3]
+        # another layout (fewer entries, another shape): no error, apply gets fresh arrays
+        other = Box(1, size=5)
+        assert mgr.restore({"box": other}) == 1
+        assert sorted(other.arrays) == ["a0", "a1", "a2"] and other.limit == 3
+        assert other.arrays["a2"].tolist() == [3, 3, 3]
+
+
+def test_caveats_are_warned_once_at_the_first_save_that_shows_them(tmp_path, box_adapter,
+                                                                   caplog):
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    with open_mgr(tmp_path / "ck") as mgr:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mgr.save(1, {"box": Box(2)}).wait()
+            assert not [w for w in seen if "Box" in str(w.message)]
+            mgr.save(2, {"box": Box(7)}).wait()
+            mgr.save(3, {"box": Box(7)}).wait()
+        texts = [str(w.message) for w in seen if "limit 7" in str(w.message)]
+        assert len(texts) == 1 and "state entry 'box'" in texts[0] and "use limit 6" in texts[0]
+        assert sum("limit 7" in r.getMessage() for r in caplog.records) == 1
+
+
+def _corrupt_array(directory, step: int, key: str) -> None:
+    import json
+    ck = os.path.join(directory, step_name(step))
+    with open(os.path.join(ck, "manifest.json")) as f:
+        entry = json.load(f)["arrays"][key]
+    with open(os.path.join(ck, entry["file"]), "r+b") as f:
+        f.seek(entry["offset"])
+        byte = f.read(1)
+        f.seek(entry["offset"])
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _state(n: float) -> dict:
+    # one data file, arrays in key order: "a" is written before "m" before "z"
+    return {"a": np.full(1000, n), "m": np.full(1000, n), "z": np.full(1000, n)}
+
+
+def test_corruption_mid_stream_names_what_was_overwritten(tmp_path):
+    d = tmp_path / "ck"
+    with open_mgr(d, writer_threads=1) as mgr:
+        mgr.save(1, _state(1)).wait()
+        mgr.save(2, _state(2)).wait()
+    _corrupt_array(d, 2, "m")
+    with open_mgr(d, writer_threads=1) as mgr:
+        target = _state(0)
+        with pytest.raises(pitstop.CorruptCheckpointError) as info:
+            mgr.restore(target, step=2)
+        err = info.value
+        assert err.key == "m" and "a" in err.overwritten and "z" not in err.overwritten
+        assert "already overwritten" in str(err)
+        # the latest path completes the restore from the previous valid checkpoint
+        with pytest.warns(UserWarning, match=step_name(2)):
+            assert mgr.restore(target) == 1
+        for k in "amz":
+            assert (target[k] == 1).all(), k
+
+
+def test_no_valid_checkpoint_says_the_target_holds_corrupt_bytes(tmp_path):
+    d = tmp_path / "ck"
+    with open_mgr(d, writer_threads=1) as mgr:
+        mgr.save(1, _state(1)).wait()
+    _corrupt_array(d, 1, "m")
+    with open_mgr(d, writer_threads=1) as mgr:
+        target = _state(0)
+        with pytest.warns(UserWarning), pytest.raises(pitstop.CorruptCheckpointError) as info:
+            mgr.restore(target)
+        assert "already holds bytes of a corrupt checkpoint" in str(info.value)
+        assert "a" in info.value.overwritten
+    assert glob.glob(str(d / (step_name(1) + ".corrupt-*")))
+
+
+# ------------------------------------------------------------------ messages
+def test_mismatch_message_has_a_line_per_kind_and_names_a_subtree_once(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.zeros(3), "old": {"a": np.zeros(1), "b": np.zeros(1)}}).wait()
+        target = {"w": np.zeros(4), "new": {"x": np.zeros(1), "y": np.zeros(1),
+                                            "z": {"q": np.zeros(1)}}}
+        with pytest.raises(pitstop.IncompatibleTargetError) as info:
+            mgr.restore(target)
+        lines = str(info.value).splitlines()
+        assert lines[0].startswith("cannot restore") and lines[-1].startswith("Pass strict")
+        missing = next(x for x in lines if "missing in the checkpoint" in x)
+        unexpected = next(x for x in lines if "not in the target" in x)
+        mismatched = next(x for x in lines if "mismatched" in x)
+        assert "new (whole subtree, 3 entries)" in missing and "new/x" not in missing
+        assert "old (whole subtree, 2 entries)" in unexpected
+        assert "w (checkpoint float64[3], target float64[4])" in mismatched
+        assert info.value.missing_keys == ["new/x", "new/y", "new/z/q"]
+
+
+def test_value_errors_name_the_list_index(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        state = {"w": np.zeros(1), "opt": {"param_groups": [{"lr": 0.1}, {"dtype": object()}]}}
+        with pytest.raises(pitstop.UnsupportedStateError, match="'opt/param_groups/1/dtype'"):
+            mgr.save(1, state)
+
+
+def test_an_adapter_capture_error_names_the_state_path(tmp_path):
+    class Bad:
+        def state_dict(self):
+            return {"w": np.zeros(1), "f": print}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with open_mgr(tmp_path / "ck") as mgr:
+        with pytest.raises(pitstop.UnsupportedStateError, match="'model/f'"):
+            mgr.save(1, {"model": Bad()})
