@@ -299,3 +299,168 @@ def test_memory_tier_off_writes_nothing_to_shm(tmp_path):
     finally:
         release.set()
         mgr.close()
+
+
+# ------------------------------------------------------------------ a snapshot save() returned for
+_KILL_AFTER_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import pitstop
+    d = sys.argv[1]
+    mgr = pitstop.CheckpointManager(d, save_on_signals=None)
+    state = {"w": np.full(64 << 20, 1.0, np.float32), "meta": {"step": 1}}   # 256 MiB
+    mgr.save(1, state).wait()
+    state["w"][:] = 2.0
+    state["meta"]["step"] = 2
+    mgr.save(2, state)                      # returns after the snapshot: hashing just started
+    os.kill(os.getpid(), signal.SIGKILL)    # no hook, nothing slowed down
+""")
+
+
+def test_sigkill_right_after_save_returns_loses_nothing(tmp_path, cleanup_shm):
+    d = tmp_path / "ckpt"
+    r = subprocess.run([PY, "-c", _KILL_AFTER_SAVE, str(d)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    ident = json.loads((d / ".pitstop" / "directory.json").read_text())["directory_id"]
+    cleanup_shm.append(ident)
+    mgr = open_mgr(d)
+    try:
+        assert mgr.latest_step() == 2
+        target = {"w": np.zeros(64 << 20, np.float32), "meta": {"step": -1}}
+        assert mgr.restore(target) == 2
+        assert target["meta"] == {"step": 2} and bool((target["w"] == 2.0).all())
+        mgr.wait()
+        assert mgr._committed() == [1, 2]  # and persisted, verified like any checkpoint
+    finally:
+        mgr.close()
+
+
+def test_latest_step_names_the_recovered_step_from_construction(tmp_path, cleanup_shm,
+                                                                monkeypatch):
+    d = tmp_path / "ckpt"
+    cleanup_shm.append(crash_during_persist(d, [1], 2))
+    release = threading.Event()
+    original_init = engine_mod.Engine.__init__
+
+    def init(self, *a, **kw):  # hold the recovered snapshot's persist
+        original_init(self, *a, **kw)
+        self.hooks["before_write"] = lambda step: release.wait(60) if step == 2 else None
+
+    monkeypatch.setattr(engine_mod.Engine, "__init__", init)
+    mgr = open_mgr(d)
+    try:
+        assert mgr._committed() == [1]  # not on disk yet ...
+        # ... but what restore() and load() would return: the Orbax-style loop
+        # `start = latest_step() + 1; state = load()` must not repeat a step
+        assert mgr.latest_step() == 2 and mgr.all_steps() == [1, 2]
+        assert_is_state(mgr.load(), 2)
+        assert_is_state(mgr.load(2), 2)
+        assert mgr.metadata(2).step == 2
+        target = zero_state()
+        assert mgr.restore(target) == 2 and mgr.latest_step() == 2
+        release.set()
+        mgr.wait()
+        assert mgr._committed() == [1, 2] and mgr.latest_step() == 2
+    finally:
+        release.set()
+        mgr.close()
+
+
+# ------------------------------------------------------------------ a tier too small
+def _mount_tmpfs(path, size: str, ro: bool = False) -> bool:
+    if os.geteuid() != 0:
+        return False
+    os.makedirs(path, exist_ok=True)
+    opts = f"size={size}" + (",ro" if ro else "")
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _assert_fallback_warning(text: str) -> None:
+    for part in ("memory tier cannot hold", "16.0 MiB", "--shm-size", "medium: Memory",
+                 "memory_tier=False"):
+        assert part in text, (part, text)
+
+
+@pytest.mark.parametrize("ro", [False, True], ids=["full", "read-only"])
+def test_a_small_tier_never_stops_a_save(tmp_path, caplog, ro):
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "8m", ro):
+        pytest.skip("cannot mount a tmpfs here (the file-size-limit variant still runs)")
+    try:
+        caplog.set_level(logging.WARNING, logger="pitstop")
+        state = {"w": np.arange(4 << 20, dtype=np.float32)}  # 16 MiB > 8 MiB
+        with open_mgr(tmp_path / "ckpt", memory_tier=str(mnt)) as mgr:
+            with pytest.warns(UserWarning) as seen:
+                assert mgr.save(1, state).result(timeout=60).committed
+            state["w"] += 1
+            assert mgr.save(2, state).result(timeout=60).committed
+            texts = [str(w.message) for w in seen if "memory tier" in str(w.message)]
+            assert len(texts) == 1
+            _assert_fallback_warning(texts[0])
+            assert "8.0 MiB" in texts[0]
+            assert sum("memory tier cannot hold" in r.getMessage()
+                       for r in caplog.records) == 1  # once, not per save
+            target = {"w": np.zeros(4 << 20, np.float32)}
+            assert mgr.restore(target) == 2
+            np.testing.assert_array_equal(target["w"], np.arange(4 << 20, dtype=np.float32) + 1)
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+_FSIZE_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np
+    import pitstop
+    d, tier = sys.argv[1], sys.argv[2]
+    # no file may grow past 8 MiB: the 16 MiB tier buffer fails with EFBIG; the data files
+    # (four of 4 MiB) fit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, resource.RLIM_INFINITY))
+    state = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(4)}
+    with pitstop.CheckpointManager(d, memory_tier=tier, writer_threads=4,
+                                   save_on_signals=None) as mgr:
+        print(json.dumps(mgr.save(1, state).result(timeout=60).committed), flush=True)
+""")
+
+
+def test_a_file_size_limit_on_the_tier_never_stops_a_save(tmp_path):
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    r = subprocess.run([PY, "-c", _FSIZE_CHILD, str(tmp_path / "ckpt"), str(tier)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "true"
+    _assert_fallback_warning(r.stderr)
+    assert "File too large" in r.stderr or "Errno 27" in r.stderr
+    assert os.listdir(tier) == []
+    with pitstop.CheckpointManager(tmp_path / "ckpt", read_only=True) as ro:
+        assert ro.all_steps() == [1]
+        assert float(ro.load(1)["w3"][0]) == 3.0
+
+
+_NOMEM_CHILD = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    import pitstop
+    d = sys.argv[1]
+    mgr = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
+    state = {"w": np.ones(64 << 20, np.float32)}          # 256 MiB, allocated before the limit
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+    try:
+        mgr.save(1, state)
+        print("SAVED")
+    except pitstop.CheckpointError as e:
+        print("ERROR", type(e).__name__, repr(e.__cause__), str(e))
+""")
+
+
+def test_no_memory_for_the_staging_buffer_is_a_checkpoint_error(tmp_path):
+    r = subprocess.run([PY, "-c", _NOMEM_CHILD, str(tmp_path / "ckpt")], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ERROR CheckpointError"), r.stdout + r.stderr
+    assert "staging buffer" in r.stdout and "256.0 MiB" in r.stdout

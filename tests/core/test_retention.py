@@ -5,6 +5,7 @@ pitstop did not write."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -269,3 +270,25 @@ def test_nonfinite_and_missing_metrics_never_count_as_best(tmp_path):
         for s, v in losses.items():
             mgr.save(s, state_of(s), metrics={} if v is None else {"loss": v}).result(timeout=30)
         assert mgr.all_steps() == [2, 5, 6]
+
+
+def test_a_committed_save_is_reported_committed_when_bookkeeping_fails(tmp_path, caplog):
+    """Index or retention trouble after the commit is a warning, retried at the next commit;
+    the save's handle says committed."""
+    d = tmp_path / "run"
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    with open_mgr(d, keep_last=1) as mgr:
+        mgr.save(0, state_of(0)).result(timeout=30)
+        index = d / ".pitstop" / "index.json"
+        index.unlink()
+        index.mkdir()  # a real failure: the index cannot be replaced by a file
+        stats = mgr.save(1, state_of(1)).result(timeout=30)  # does not raise
+        assert stats.committed
+        assert any("step 1 is committed" in r.getMessage() and "retried" in r.getMessage()
+                   for r in caplog.records)
+        mgr.wait()  # nothing to report: the save did not fail
+        index.rmdir()
+        mgr.save(2, state_of(2)).result(timeout=30)
+        assert json.loads(index.read_text())["checkpoints"].keys() == {"2"}
+        assert mgr.all_steps() == [2]
+    assert listing(d) == sorted([".pitstop", step_name(2)])
