@@ -414,8 +414,15 @@ class CheckpointManager:
         if self._signals.abandoned:
             # a second Ctrl+C while the signal's save persisted: the user wants out now.
             # Do not wait for it; close() can still be called later to wait and release.
-            log.warning("pitstop: interrupted twice; not waiting for the pending save "
-                        "(its snapshot stays in the memory tier when that is on)")
+            pending = sorted(self._engine.pending_steps()) if self._engine else []
+            if pending:
+                log.warning("pitstop: interrupted twice; not waiting for the save of step(s) "
+                            "%s (its snapshot stays in the memory tier when that is on)",
+                            pending)
+            else:
+                log.warning("pitstop: interrupted twice before the next step boundary; "
+                            "exiting without a save (the newest committed step is %s)",
+                            self.latest_step())
             return
         if exc_type is not None and self._engine is not None:
             # the last consistent state is the last snapshot taken at a step boundary:

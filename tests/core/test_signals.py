@@ -238,6 +238,42 @@ def test_second_sigint_raises_at_once_even_inside_with(tmp_path, children):
     rc = c.finish(timeout=60)
     assert rc == 3, c.stderr
     assert "KeyboardInterrupt" in c.lines
+    assert "not waiting for the save of step(s) [10]" in c.stderr
+
+
+_TWICE_BEFORE_A_BOUNDARY = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import pitstop
+    mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+    try:
+        with mgr:
+            mgr.save(0, {"w": np.zeros(3)}).wait()
+            print("READY", flush=True)
+            while mgr._signals.pending is None:   # a long evaluation: no step() comes
+                time.sleep(0.01)
+            print("NOTED", flush=True)
+            time.sleep(60)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+""")
+
+
+def test_two_sigints_before_a_step_boundary_say_nothing_was_saved(tmp_path):
+    p = subprocess.Popen([PY, "-c", _TWICE_BEFORE_A_BOUNDARY, str(tmp_path / "ckpt")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == "READY"
+        p.send_signal(signal.SIGINT)
+        assert p.stdout.readline().strip() == "NOTED"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "KeyboardInterrupt" in out, err
+    assert "exiting without a save (the newest committed step is 0)" in err
+    assert "not waiting" not in err
 
 
 def test_signal_is_never_acted_on_inside_the_handler(tmp_path):
