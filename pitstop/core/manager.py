@@ -66,6 +66,11 @@ from .tree import FlatState, flatten
 
 log = logging.getLogger("pitstop")
 
+#: this process's pid, kept current across forks (os.getpid() is a system call; step() is
+#: called every training step)
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
 __all__ = ["CheckpointManager", "step_name", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS"]
 
 
@@ -286,19 +291,21 @@ class CheckpointManager:
         engine = self._engine
         if engine is not None and not from_memory:
             engine.drain()  # a save still persisting may be the newest
+        # the cyclic GC would rescan a large heap again and again while the restore
+        # allocates a few objects per array
         with _no_gc():
             flat = _wrap_os(flatten, self.directory, state, self._resolve)
-        restored: int | None = None
-        report: RestoreReport | None = None
-        if from_memory:
-            # straight from the verified shared-memory copy, while its persist to disk goes
-            # on in the background: no waiting for the disk
-            assert recovered is not None
-            restored, report = self._restore_recovered(recovered, flat, strict)
-        if restored is None:
-            if engine is not None and from_memory:
-                engine.drain()
-            restored, report = self._restore_from_disk(flat, step, strict)
+            restored: int | None = None
+            report: RestoreReport | None = None
+            if from_memory:
+                # straight from the verified shared-memory copy, while its persist to disk
+                # goes on in the background: no waiting for the disk
+                assert recovered is not None
+                restored, report = self._restore_recovered(recovered, flat, strict)
+            if restored is None:
+                if engine is not None and from_memory:
+                    engine.drain()
+                restored, report = self._restore_from_disk(flat, step, strict)
         if restored is None:
             return None
         assert report is not None
@@ -332,7 +339,7 @@ class CheckpointManager:
         last: Exception | None = None
         for s in [step] if step is not None else reversed(steps):
             try:
-                with self.storage.read_lease(step_name(s)):
+                with self.storage.read_lease(step_name(s)), _no_gc():
                     return CheckpointReader(self.storage, step_name(s)).load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
@@ -664,7 +671,7 @@ class CheckpointManager:
 
     # ================================================================== helpers
     def _check_usable(self) -> None:
-        if os.getpid() != self._owner_pid:
+        if _pid[0] != self._owner_pid:
             raise CheckpointError(
                 f"this CheckpointManager ({self.directory}) belongs to process "
                 f"{self._owner_pid}; it cannot be used in the forked process {os.getpid()}. "
@@ -842,6 +849,8 @@ def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_bes
 def _step_arg(step: Any) -> int:
     """A step as a Python int: ints and integral numpy (or framework) scalars; never a bool,
     a float or a string."""
+    if type(step) is int and step >= 0:  # the per-step fast path
+        return step
     if isinstance(step, bool) or isinstance(step, (float, str, bytes)) or step is None:
         raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
     try:

@@ -131,7 +131,7 @@ class RestorePlan:
         replaced = list(self.replaced)
 
         def in_replaced(key: str) -> bool:
-            return any(_is_under(key, p) for p in replaced)
+            return bool(replaced) and any(_is_under(key, p) for p in replaced)
 
         # a target value whose path prefixes checkpoint entries (e.g. an optimizer's empty
         # state before its first step) is rebuilt whole from the checkpoint
@@ -251,9 +251,10 @@ class RestorePlan:
         """Every precondition a live object states, before a byte is written to one."""
         flat, m = self.flat, self.m
         problems: list[str] = []
+        replaced = list(self.replaced)
         for key, leaf in flat.arrays.items():
             if key in self.bad or key not in m.arrays or key in flat.scalars \
-                    or any(_is_under(key, p) for p in self.replaced):
+                    or (replaced and any(_is_under(key, p) for p in replaced)):
                 continue
             check = getattr(leaf, "check_restorable", None)
             if check is None:
@@ -377,10 +378,11 @@ class RestorePlan:
             else:
                 container[key] = new
 
+        aside = [*self.replaced, *self.skipped_adapters]
         for key in flat.values:
             if key in skip:
                 continue
-            if any(_is_under(key, p) for p in (*self.replaced, *self.skipped_adapters)):
+            if aside and any(_is_under(key, p) for p in aside):
                 continue
             if key in self.rebuilt:
                 new = self.rebuilt[key]

@@ -122,7 +122,10 @@ class NumpyLeaf(ArrayLeaf):
     def check_restorable(self) -> None:
         """Refuse, before a restore writes anything, an array that cannot take the values."""
         a = self.array
-        if not a.flags.writeable:
+        flags = a.flags
+        if flags.writeable and (flags.c_contiguous or flags.f_contiguous):
+            return  # the common case: no element can share memory with another
+        if not flags.writeable:
             raise UnsupportedStateError(
                 "the target is a read-only numpy array; restore into a writable array "
                 "(np.array(x) copies one)")
