@@ -56,6 +56,7 @@ from .policy import (
     SaveContext,
     SavePolicy,
     number_metric,
+    positive_int,
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
 from .recovery import Recovered, recover
@@ -121,7 +122,7 @@ class CheckpointManager:
         self._engine: Engine | None = None
         self._recovered: Recovered | None = None
         _check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
-                         compression, max_in_flight)
+                         compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         self.storage = _open(directory, durable=durable, create=not read_only)
         self.directory = self.storage.location
         self.read_only = read_only
@@ -173,7 +174,8 @@ class CheckpointManager:
 
             # memory tier
             root = memtier_mod.default_root() if memory_tier in (None, True) else (
-                memory_tier if isinstance(memory_tier, str) else None)
+                os.fspath(memory_tier) if isinstance(memory_tier, (str, os.PathLike))
+                else None)
             if memory_tier is True and root is None:
                 raise InvalidArgumentError(
                     "memory_tier=True but /dev/shm is not available; pass a directory on a "
@@ -820,8 +822,8 @@ def _hint_for(exc: BaseException) -> str | None:
 
 # ====================================================================== argument checks
 def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best: Any,
-                     best_metric: Any, best_mode: str, compression: Any, max_in_flight: Any
-                     ) -> None:
+                     best_metric: Any, best_mode: str, compression: Any, max_in_flight: Any,
+                     memory_tier: Any, writer_threads: Any, copy_threads: Any) -> None:
     if directory is None or (isinstance(directory, (str, bytes)) and not directory.strip()):
         raise InvalidArgumentError(
             f"directory must name a checkpoint directory, got {directory!r} (pitstop will not "
@@ -841,9 +843,16 @@ def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_bes
     if compression not in (None, "none", "zstd", "zstd+shuffle"):
         raise InvalidArgumentError(f"compression must be None, 'zstd' or 'zstd+shuffle', got "
                                    f"{compression!r}")
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or \
-            max_in_flight < 1:
-        raise InvalidArgumentError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+    positive_int("max_in_flight", max_in_flight)
+    for name, value in (("writer_threads", writer_threads), ("copy_threads", copy_threads)):
+        if value is not None:
+            positive_int(name, value)
+    if memory_tier is not None and not isinstance(memory_tier, (bool, str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"memory_tier must be None (on where /dev/shm is usable), True, False or a "
+            f"directory on a tmpfs; got {memory_tier!r}")
+    if isinstance(memory_tier, (str, os.PathLike)) and not os.fspath(memory_tier):
+        raise InvalidArgumentError("memory_tier must name a directory, got an empty path")
 
 
 def _step_arg(step: Any) -> int:

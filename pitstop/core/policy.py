@@ -20,6 +20,28 @@ from .errors import InvalidArgumentError
 log = logging.getLogger("pitstop")
 
 
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (integral numpy scalars too); anything else is refused."""
+    import operator
+    if isinstance(value, (bool, float, str)) or value is None:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {n}")
+    return n
+
+
+def positive_number(name: str, value: Any) -> float:
+    """``value`` as a finite float > 0; anything else is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def number_metric(name: str, value: Any) -> float:
     """The value of a metric that ranks checkpoints, as a float; anything but a real number
     (None, a string, a bool) is refused, naming the metric."""
@@ -51,9 +73,7 @@ class EveryNSteps:
     """Save when ``step`` is a multiple of ``n``."""
 
     def __init__(self, n: int) -> None:
-        if n <= 0:
-            raise InvalidArgumentError("save_every_steps must be a positive integer")
-        self.n = n
+        self.n = positive_int("save_every_steps", n)
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return step % self.n == 0 and step != ctx.last_save_step
@@ -66,9 +86,7 @@ class EverySeconds:
     """Save when at least ``seconds`` passed since the last save."""
 
     def __init__(self, seconds: float) -> None:
-        if seconds <= 0:
-            raise InvalidArgumentError("save_every_seconds must be positive")
-        self.seconds = seconds
+        self.seconds = positive_number("save_every_seconds", seconds)
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return ctx.now - ctx.last_save_time >= self.seconds
@@ -114,9 +132,7 @@ class AutoInterval:
     """
 
     def __init__(self, mtbf_seconds: float, min_interval_s: float = 1.0) -> None:
-        if mtbf_seconds <= 0:
-            raise InvalidArgumentError("mtbf_seconds must be positive")
-        self.mtbf = mtbf_seconds
+        self.mtbf = positive_number("mtbf_seconds", mtbf_seconds)
         self.min_interval_s = min_interval_s
         self.interval_s: float | None = None
         self._logged: float | None = None
@@ -180,9 +196,7 @@ class RetentionPolicy(Protocol):
 
 class KeepLast:
     def __init__(self, n: int) -> None:
-        if n < 1:
-            raise InvalidArgumentError("keep_last must be at least 1")
-        self.n = n
+        self.n = positive_int("keep_last", n)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-self.n:]}
@@ -190,9 +204,7 @@ class KeepLast:
 
 class KeepEverySteps:
     def __init__(self, k: int) -> None:
-        if k < 1:
-            raise InvalidArgumentError("keep_every_steps must be at least 1")
-        self.k = k
+        self.k = positive_int("keep_every_steps", k)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.k == 0}
@@ -200,8 +212,7 @@ class KeepEverySteps:
 
 class KeepBest:
     def __init__(self, n: int, metric: str, mode: str = "min") -> None:
-        if n < 1:
-            raise InvalidArgumentError("keep_best must be at least 1")
+        n = positive_int("keep_best", n)
         if mode not in ("min", "max"):
             raise InvalidArgumentError("best_mode must be 'min' or 'max'")
         self.n, self.metric, self.mode = n, metric, mode

@@ -216,22 +216,22 @@ class RestorePlan:
         if ROOT in flat.values and ROOT not in flat.parents:
             if not isinstance(root, (MutableMapping, list, bytearray)) and ROOT in m.values \
                     and not _same(root, decode_value(m.values[ROOT])):
-                what = f"a {type(root).__name__}"
+                what = f"a {type(root).__name__} (immutable) whose value changes"
         elif ROOT in flat.scalars and ROOT not in self.bad:
-            what = "a numpy scalar"
+            what = "a numpy scalar (immutable)"
         else:
             for key, (container, _k) in [*flat.parents.items(), *flat.scalars.items()]:
                 if key in self.bad or not self._chained_to_root(container):
                     continue
                 if key in flat.scalars or (key in m.values and not _same(
                         container[_k], decode_value(m.values[key]))):
-                    what = f"a {type(root).__name__} holding {key!r}, which changes"
+                    what = f"a {type(root).__name__} (immutable) and its entry {key!r} changes"
                     break
         if what is not None:
             raise IncompatibleTargetError(
-                f"cannot restore {self.where} into this state: it is {what}, which cannot be "
-                "changed in place. Pass a dict or a list (e.g. {'state': state}), or use "
-                "load() to get a new object.")
+                f"cannot restore {self.where} into this state: the state is {what}, so it "
+                "cannot be restored in place. Pass a dict or a list (e.g. {'state': state}), "
+                "or use load() to get a new object.")
 
     def _chained_to_root(self, container: Any) -> bool:
         """True when ``container`` is a tuple whose ancestors are tuples up to the root."""
@@ -251,6 +251,7 @@ class RestorePlan:
         """Every precondition a live object states, before a byte is written to one."""
         flat, m = self.flat, self.m
         problems: list[str] = []
+        refused: list[str] = []
         replaced = list(self.replaced)
         for key, leaf in flat.arrays.items():
             if key in self.bad or key not in m.arrays or key in flat.scalars \
@@ -264,6 +265,7 @@ class RestorePlan:
             except CheckpointError as e:
                 if self.strict:
                     problems.append(f"{key}: {e}")
+                    refused.append(key)
                 else:
                     self._mismatch(key, str(e))
         for path, node in flat.adapters:
@@ -279,13 +281,14 @@ class RestorePlan:
                 text = f"{key} ({type(node.obj).__name__}): {e}"
                 if self.strict:
                     problems.append(text)
+                    refused.append(key)
                 else:
                     self.skipped_adapters.add(path)
                     self._mismatch(key, str(e))
         if problems:
             raise IncompatibleTargetError(
                 f"cannot restore {self.where} into this state (nothing was changed):\n  "
-                + "\n  ".join(problems), mismatched=[p.split(":")[0] for p in problems])
+                + "\n  ".join(problems), mismatched=refused)
 
     def _present(self, path: str) -> bool:
         return bool(self.ck.under(path)) if path else bool(self.ck.keys)

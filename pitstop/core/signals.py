@@ -143,11 +143,15 @@ class SignalSaver:
 
 
 def _signum(name: str | int) -> int:
+    from .errors import InvalidArgumentError
     if isinstance(name, str):
-        try:
-            return int(getattr(signal, name))
-        except AttributeError:
-            raise ValueError(f"save_on_signals: unknown signal {name!r}") from None
+        value = getattr(signal, name, None)
+        if not isinstance(value, int) or not name.startswith("SIG") or name.startswith("SIG_"):
+            raise InvalidArgumentError(f"save_on_signals: unknown signal {name!r} (use names "
+                                       "such as 'SIGTERM', or numbers)")
+        return int(value)
+    if isinstance(name, bool) or not isinstance(name, int):
+        raise InvalidArgumentError(f"save_on_signals: {name!r} is not a signal name or number")
     return int(name)
 
 

@@ -281,6 +281,8 @@ def encode_value(v: Any, path: str = "", depth: int = 0) -> Any:
             return {k: encode_value(x, join(path, k), depth + 1) for k, x in v.items()}
         items = []
         for k, x in v.items():
+            if isinstance(k, np.integer):
+                k = int(k)  # equal and hash-equal: comes back as an int
             if not isinstance(k, (str, int, float, bytes, tuple, type(None))):
                 raise UnsupportedStateError(
                     f"state entry {_where(path)}: dict key {k!r} of type {type(k).__name__} is "
@@ -330,8 +332,8 @@ def decode_value(v: Any) -> Any:
 
 
 def _decode_key(k: Any) -> Any:
-    """A ``$dict`` key: encoded with :func:`encode_value` since format 1.1's pitstop 0.2
-    (older checkpoints hold plain JSON keys, which decode to themselves)."""
+    """A ``$dict`` key, written with :func:`encode_value` (keys written as plain JSON by
+    earlier versions decode to themselves; a list is a legacy tuple key)."""
     if isinstance(k, list):
         return tuple(decode_value(x) for x in k)
     return decode_value(k)
@@ -433,7 +435,9 @@ class _Flattener:
         for k, v in obj.items():
             tk = type(k)
             if tk is not str and tk is not int:
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                if isinstance(k, np.integer):
+                    k = int(k)  # equal and hash-equal: comes back as an int
+                elif not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise UnsupportedStateError(
                         f"state entry {_where(path)}: key {k!r} of type {type(k).__name__} "
                         "cannot be saved beside arrays; use str or int keys")

@@ -380,9 +380,17 @@ def test_unknown_step_is_not_found_not_corrupt(tmp_path):
     ({"keep_last": 0}, "keep_last"),
     ({"save_on_signals": ["SIGNOPE"]}, "SIGNOPE"),
     ({"max_in_flight": 0}, "max_in_flight"),
+    ({"save_every_steps": 1.5}, "save_every_steps"),
+    ({"keep_last": 1.5}, "keep_last"),
+    ({"save_every_seconds": float("nan")}, "save_every_seconds"),
+    ({"mtbf_seconds": -1}, "mtbf_seconds"),
+    ({"memory_tier": 123}, "memory_tier"),
+    ({"writer_threads": 0}, "writer_threads"),
+    ({"copy_threads": 0}, "copy_threads"),
+    ({"save_on_signals": ["SIG_DFL"]}, "SIG_DFL"),
 ])
 def test_bad_constructor_arguments_are_refused_at_once(tmp_path, kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(pitstop.InvalidArgumentError, match=match):
         pitstop.CheckpointManager(tmp_path / "ckpt", **kw)
     # and nothing holds the directory afterwards
     with open_mgr(tmp_path / "ckpt") as mgr:

@@ -115,6 +115,16 @@ def test_every_key_a_value_dict_can_hold_round_trips(tmp_path):
             assert got[k] == values["k"][k], k
 
 
+def test_numpy_integer_keys_are_saved_as_ints(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        state = {"m": {np.int64(3): np.zeros(2)}, "v": {np.int32(4): "x"}}
+        mgr.save(1, state).wait()
+        loaded = mgr.load()
+        assert list(loaded["m"]) == [3] and type(next(iter(loaded["m"]))) is int
+        assert loaded["v"] == {4: "x"} and type(next(iter(loaded["v"]))) is int
+        assert mgr.restore(state) == 1
+
+
 @pytest.mark.parametrize("key", [True, 1.5, (1, 2), None, b"x"])
 def test_keys_beside_arrays_that_cannot_have_a_path_are_refused_at_save(tmp_path, key):
     with open_mgr(tmp_path / "ck") as mgr:
@@ -188,6 +198,7 @@ def test_an_adapter_that_refuses_stops_the_restore_before_any_byte_is_written(
         with pytest.raises(pitstop.IncompatibleTargetError, match="too high") as info:
             mgr.restore(target, step=2)
         assert "box (Box)" in str(info.value) and "nothing was changed" in str(info.value)
+        assert info.value.mismatched_keys == ["box"]
         assert target["w"].tolist() == [0, 0, 0, 0] and target["box"].applied == []
         # with strict=False the refusing object is left out, the rest restored
         step = mgr.restore(target, step=2, strict=False)
