@@ -423,11 +423,11 @@ class CheckpointManager:
         if self._signals.abandoned:
             # a second Ctrl+C while the signal's save persisted: the user wants out now.
             # Do not wait for it; close() can still be called later to wait and release.
-            pending = sorted(self._engine.pending_steps()) if self._engine else []
-            if pending:
+            saving = sorted(self._engine.pending_steps()) if self._engine else []
+            if saving:
                 log.warning("pitstop: interrupted twice; not waiting for the save of step(s) "
                             "%s (its snapshot stays in the memory tier when that is on)",
-                            pending)
+                            saving)
             else:
                 log.warning("pitstop: interrupted twice before the next step boundary; "
                             "exiting without a save (the newest committed step is %s)",
