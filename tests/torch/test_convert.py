@@ -294,3 +294,118 @@ def test_exports_refuse_dtypes_the_target_cannot_hold(tmp_path):
         export_torch_save(tmp_path / "run", tmp_path / "b.pt", step=2)
     assert not (tmp_path / "a.safetensors").exists() and not (tmp_path / "b.pt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temporary files left behind
+
+
+# ----------------------------------------------------------------------------- wrapped models
+@pytest.mark.filterwarnings("ignore:.*script_method.*:DeprecationWarning")
+@pytest.mark.parametrize("wrap", ["DataParallel", "compile", "compile(DataParallel)"])
+def test_import_gives_wrapped_models_the_keys_a_live_save_would(tmp_path, wrap):
+    """A file saved from a DDP/DataParallel or torch.compile'd model has ``module.`` /
+    ``_orig_mod.`` keys; a live save drops them, and so does the import: the checkpoint
+    restores into a plain and into a compiled model."""
+    model, opt = _model_and_optimizer()
+    _train(model, opt, 1, seed=1)
+    wrapped = {"DataParallel": lambda m: torch.nn.DataParallel(m),
+               "compile": torch.compile,
+               "compile(DataParallel)": lambda m: torch.compile(torch.nn.DataParallel(m))}[wrap]
+    sd = wrapped(model).state_dict()
+    assert all(k.startswith(("module.", "_orig_mod.")) for k in sd)
+    torch.save({"model": sd, "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    import_torch_save(tmp_path / "ckpt.pt", tmp_path / "run", 1)
+
+    from pitstop.adapters.torch import unwrap_module
+
+    for target in (_model_and_optimizer()[0], torch.compile(_model_and_optimizer()[0])):
+        for p in target.parameters():
+            p.data.zero_()
+        opt2 = torch.optim.AdamW(target.parameters(), lr=1e-2)
+        with pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None,
+                                       memory_tier=False) as mgr:
+            assert mgr.restore({"model": target, "optimizer": opt2}) == 1  # strict
+        assert_same(unwrap_module(target).state_dict(), model.state_dict())
+        assert_same(opt2.state_dict()["state"], opt.state_dict()["state"])
+
+
+def test_module_keys_are_cleaned_only_in_module_state_dicts(tmp_path):
+    state = {"model": {"module.w": torch.ones(2), "module.b": torch.zeros(1)},
+             "config": {"module.name": "kept"},           # values, not a module state dict
+             "mixed": {"module.w": torch.ones(1), "w": torch.ones(1)}}  # not all prefixed
+    torch.save(state, tmp_path / "ckpt.pt")
+    import_torch_save(tmp_path / "ckpt.pt", tmp_path / "run", 0)
+    loaded = _load(tmp_path / "run")
+    assert list(loaded["model"]) == ["w", "b"]
+    assert loaded["config"] == {"module.name": "kept"}
+    assert list(loaded["mixed"]) == ["module.w", "w"]
+
+
+def test_export_safetensors_names_are_the_models_own(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"enc/dec": torch.nn.Linear(2, 2), "a~b": torch.nn.Linear(2, 1)})
+    with pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None,
+                                   memory_tier=False) as mgr:
+        mgr.save(1, {"model": model}).wait()
+    export_safetensors(tmp_path / "run", tmp_path / "m.safetensors", key="model")
+    tensors = load_file(tmp_path / "m.safetensors")
+    assert sorted(tensors) == sorted(model.state_dict())  # 'enc/dec.weight', 'a~b.bias', ...
+    other = torch.nn.ModuleDict({"enc/dec": torch.nn.Linear(2, 2), "a~b": torch.nn.Linear(2, 1)})
+    other.load_state_dict(tensors)  # strict: every name matches
+    assert_same(other.state_dict(), model.state_dict())
+    export_safetensors(tmp_path / "run", tmp_path / "all.safetensors")
+    assert "model/enc/dec.weight" in load_file(tmp_path / "all.safetensors")
+
+
+@pytest.mark.parametrize("export", ["torch_save", "safetensors"])
+def test_export_of_a_missing_key_names_the_available_ones(tmp_path, export):
+    pytest.importorskip("safetensors")
+    _save_numpy(tmp_path / "run", 5, _numpy_state())
+    fn = export_torch_save if export == "torch_save" else export_safetensors
+    with pytest.raises(pitstop.CheckpointError, match=r"'modle'.*'epoch', 'extra', 'model'"):
+        fn(tmp_path / "run", tmp_path / "out", key="modle")
+    with pytest.raises(pitstop.CheckpointError, match=r"'model/nope'.*'0\.bias', '0\.weight'"):
+        fn(tmp_path / "run", tmp_path / "out", key="model/nope")
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_of_a_missing_key_names_the_available_ones(tmp_path):
+    torch.save({"model": {"w": torch.ones(1)}, "epoch": 1}, tmp_path / "ckpt.pt")
+    with pytest.raises(pitstop.CheckpointError, match=r"'state_dict'.*'epoch', 'model'"):
+        import_torch_save(tmp_path / "ckpt.pt", tmp_path / "run", 0, key="state_dict")
+
+
+def test_import_into_an_existing_step_says_so_and_nothing_else(tmp_path, caplog):
+    torch.save({"w": torch.ones(2)}, tmp_path / "ckpt.pt")
+    import_torch_save(tmp_path / "ckpt.pt", tmp_path / "run", 3)
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="pitstop"):
+        with pytest.raises(pitstop.StepExistsError, match="step 3.*another step") as e:
+            import_torch_save(tmp_path / "ckpt.pt", tmp_path / "run", 3)
+        with pytest.raises(pitstop.StepExistsError):
+            import_dcp(tmp_path / "no-dcp-needed", tmp_path / "run", 3)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "during training" not in text, text
+    assert "run" in str(e.value)
+
+
+def test_import_refusal_reads_without_terminal_colour_codes(tmp_path):
+    torch.save({"obj": NotAWeight()}, tmp_path / "obj.pt")
+    with pytest.raises(pitstop.UnsupportedStateError) as e:
+        import_torch_save(tmp_path / "obj.pt", tmp_path / "run", 1)
+    msg = str(e.value)
+    assert "\x1b" not in msg and "NotAWeight" in msg, msg
+
+
+def test_import_of_a_file_torch_cannot_read_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(pitstop.CheckpointError, match="junk.pt"):
+        import_torch_save(tmp_path / "junk.pt", tmp_path / "run", 1)
+    with pytest.raises(pitstop.CheckpointNotFoundError, match="missing.pt"):
+        import_torch_save(tmp_path / "missing.pt", tmp_path / "run", 1)
+
+
+def test_export_to_a_folder_that_does_not_exist_is_a_checkpoint_error(tmp_path):
+    _save_numpy(tmp_path / "run", 1, {"w": np.ones(2, np.float32)})
+    with pytest.raises(pitstop.CheckpointWriteError, match="no-such-dir"):
+        export_torch_save(tmp_path / "run", tmp_path / "no-such-dir" / "out.pt")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import pitstop
 from pitstop.adapters.torch import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch._adapter import SamplerAdapter
 
 N, BS = 21, 4  # 6 batches per epoch, the last one partial
 
@@ -141,8 +144,74 @@ def test_plain_sampler_with_a_single_process_loader():
 
 def test_changed_dataset_is_an_error_that_says_what_to_do():
     s = ResumableSampler(dataset(10))
-    with pytest.raises(ValueError, match="same dataset"):
-        s.load_state_dict(ResumableSampler(dataset(12)).state_dict())
+    saved = ResumableSampler(dataset(12)).state_dict()
+    with pytest.raises(pitstop.IncompatibleTargetError, match="12 samples.*has 10.*same dataset"):
+        s.load_state_dict(saved)
+    # the same refusal up front, from the checkpoint's values alone, for sampler and loader
+    for target in (s, ResumableLoader(dataset(10), batch_size=BS)):
+        with pytest.raises(pitstop.IncompatibleTargetError, match="same dataset"):
+            SamplerAdapter().check(target, saved)
+        SamplerAdapter().check(target, ResumableSampler(dataset(10)).state_dict())
+    with pytest.raises(pitstop.IncompatibleTargetError, match="not a ResumableSampler"):
+        SamplerAdapter().check(s, {"last_epoch": 3})
+    assert (s.epoch, s.position) == (0, 0)
+
+
+def test_changed_dataset_through_the_manager_is_a_checkpoint_error(manager):
+    loader = ResumableLoader(dataset(12), batch_size=BS, shuffle=True)
+    stream(loader, 2)
+    mgr = manager()
+    mgr.save(1, {"loader": loader})
+    with pytest.raises(pitstop.IncompatibleTargetError, match="same dataset"):
+        mgr.restore({"loader": ResumableLoader(dataset(10), batch_size=BS)})
+
+
+def test_changed_dataset_is_refused_before_anything_is_restored(manager):
+    loader = ResumableLoader(dataset(12), batch_size=BS, shuffle=True)
+    mgr = manager()
+    mgr.save(1, {"w": torch.ones(3), "loader": loader})
+    target = {"w": torch.zeros(3), "loader": ResumableLoader(dataset(10), batch_size=BS)}
+    with pytest.raises(pitstop.IncompatibleTargetError, match="same dataset"):
+        mgr.restore(target)
+    assert torch.equal(target["w"], torch.zeros(3))  # untouched
+
+
+@pytest.mark.parametrize("batch_size", [BS, None])
+def test_a_sampler_under_a_prefetching_dataloader_says_to_use_resumable_loader(batch_size):
+    """With worker processes the DataLoader draws indices ahead of the loop: the sampler's
+    position overstates progress (a resume would skip batches). That is said, with the fix."""
+    s = ResumableSampler(dataset(40), seed=7)
+    it = iter(DataLoader(dataset(40), sampler=s, batch_size=batch_size, num_workers=2))
+    next(it)
+    (caveat,) = SamplerAdapter().caveats(s)
+    assert "pitstop.adapters.torch.ResumableLoader" in caveat and "num_workers=2" in caveat
+    del it
+
+
+def test_no_caveat_where_the_position_is_exact():
+    s = ResumableSampler(dataset(40), seed=7)
+    it = iter(DataLoader(dataset(40), sampler=s, batch_size=BS, num_workers=0))
+    next(it)
+    assert SamplerAdapter().caveats(s) == []  # one process: drawn when the loop asks
+    loader = ResumableLoader(dataset(40), batch_size=BS, num_workers=2)
+    it2 = iter(loader)
+    next(it2)
+    assert SamplerAdapter().caveats(loader) == []  # the loader counts what the loop took
+    assert SamplerAdapter().caveats(loader.sampler) == []
+    del it, it2
+
+
+def test_the_first_save_warns_about_a_prefetched_sampler(manager):
+    s = ResumableSampler(dataset(40), seed=7)
+    it = iter(DataLoader(dataset(40), sampler=s, batch_size=BS, num_workers=2))
+    next(it)
+    mgr = manager()
+    with pytest.warns(UserWarning, match=r"pitstop\.adapters\.torch\.ResumableLoader"):
+        mgr.save(1, {"sampler": s})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not at every save
+        mgr.save(2, {"sampler": s})
+    del it
 
 
 def test_elastic_resume_keeps_the_global_sample_count():

@@ -101,16 +101,83 @@ def test_parameters_with_grad_are_restored_in_place(manager):
     assert torch.equal(p, q) and q.data_ptr() == ptr and q.requires_grad
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("make,match", [
+UNSUPPORTED = [
     (lambda: torch.zeros(2, dtype=torch.complex32), "complex32"),
     (lambda: torch.zeros(2, 2).to_sparse(), "layout"),
     (lambda: torch.empty(2, device="meta"), "meta"),
     (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8), "quantized"),
-])
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("make,match", UNSUPPORTED)
 def test_unsupported_tensors_say_what_to_do(manager, make, match):
-    with pytest.raises(pitstop.UnsupportedStateError, match=match):
+    with pytest.raises(pitstop.UnsupportedStateError, match=match) as e:
         manager().save(1, {"bad": make()})
+    # placed in the state directly, the tensor has no name of its own: "this tensor"
+    assert "this tensor" in str(e.value) and "tensor ''" not in str(e.value), str(e.value)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("make,match", UNSUPPORTED)
+def test_unsupported_tensors_inside_objects_are_named(make, match):
+    """Inside a module or an optimizer the message names the key within it."""
+    from pitstop.adapters.torch._adapter import ModuleAdapter, OptimizerAdapter
+
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("odd", make())
+    with pytest.raises(pitstop.UnsupportedStateError, match=match) as e:
+        ModuleAdapter().capture(m)
+    assert "tensor 'odd'" in str(e.value), str(e.value)
+
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.state[m.weight]["odd"] = make()
+    with pytest.raises(pitstop.UnsupportedStateError, match=match) as e:
+        OptimizerAdapter().capture(opt)
+    assert "tensor 'state/0/odd'" in str(e.value), str(e.value)
+
+
+def test_restoring_into_an_expanded_tensor_is_refused_before_writing(manager):
+    """Its rows share memory: writing element by element would leave the last row in every
+    row, silently. Refused up front (check_restorable, for the core's pre-restore checks)
+    and by assign itself."""
+    target = torch.zeros(1, 2).expand(3, 2)
+    leaf = TensorLeaf(target)
+    with pytest.raises(pitstop.UnsupportedStateError, match="owns its memory"):
+        leaf.check_restorable()
+    with pytest.raises(pitstop.UnsupportedStateError, match="this tensor"):
+        leaf.assign(np.arange(6, dtype=np.float32).reshape(3, 2))
+    assert torch.count_nonzero(target) == 0  # nothing was written
+    for fine in (torch.zeros(3, 2), torch.zeros(2, 3).t(), torch.zeros(6)[::2],
+                 torch.zeros(1, 2).expand(1, 2), torch.zeros(3, 1).expand(3, 1)):
+        TensorLeaf(fine).check_restorable()
+
+    mgr = manager()
+    mgr.save(1, {"t": torch.arange(6.0).reshape(3, 2)})
+    with pytest.raises(pitstop.CheckpointError, match="owns its memory"):
+        mgr.restore({"t": target})
+    assert torch.count_nonzero(target) == 0
+
+
+def test_an_expanded_target_leaves_the_rest_of_the_state_untouched(manager):
+    mgr = manager()
+    mgr.save(1, {"a": torch.ones(4), "t": torch.arange(6.0).reshape(3, 2)})
+    target = {"a": torch.zeros(4), "t": torch.zeros(1, 2).expand(3, 2)}
+    with pytest.raises(pitstop.CheckpointError, match="owns its memory"):
+        mgr.restore(target)
+    assert torch.count_nonzero(target["a"]) == 0
+
+
+def test_inference_tensors_are_restored_also_through_a_copy(manager):
+    """A conjugate view is written with Tensor.copy_ (as every CUDA tensor is), which an
+    inference tensor takes only inside inference mode."""
+    src = {"a": torch.arange(4.0), "c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)}
+    mgr = manager()
+    mgr.save(1, src)
+    with torch.inference_mode():
+        a, c = torch.zeros(4), torch.zeros(2, dtype=torch.complex64)
+    mgr.restore({"a": a, "c": c.conj()})
+    assert torch.equal(a, src["a"]) and torch.equal(c.conj(), src["c"])
 
 
 def test_shape_mismatch_is_reported_by_name(manager):
@@ -152,3 +219,17 @@ def test_cuda_staging_hook_page_locks():
     pin_staging(buf)
     t = torch.from_numpy(buf)
     assert t.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_inference_and_expanded_targets(manager):
+    mgr = manager()
+    mgr.save(1, {"a": torch.arange(4.0), "t": torch.arange(6.0).reshape(3, 2)})
+    with torch.inference_mode():
+        a = torch.zeros(4, device="cuda")
+    mgr.restore({"a": a, "t": torch.zeros(3, 2, device="cuda")})
+    assert torch.equal(a.cpu(), torch.arange(4.0))
+    expanded = torch.zeros(1, 2, device="cuda").expand(3, 2)
+    with pytest.raises(pitstop.CheckpointError, match="owns its memory"):
+        mgr.restore({"a": torch.zeros(4, device="cuda"), "t": expanded})
+    assert torch.count_nonzero(expanded) == 0

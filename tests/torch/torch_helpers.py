@@ -12,3 +12,29 @@ def bits(t):
 
 def same_bits(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# --------------------------------------------------------------- DataLoader worker helpers
+# (module level, so a "spawn" worker can unpickle them)
+INIT_MARK = -1
+
+
+def mark_worker(worker_id: int) -> None:
+    """A user's worker_init_fn: leaves a mark the dataset below returns."""
+    global INIT_MARK
+    INIT_MARK = 100 + worker_id
+
+
+class MarkedDataset(torch.utils.data.Dataset):
+    """Item i is ``[i, INIT_MARK, SIGTERM blocked in this worker (0/1)]``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import signal
+        blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return torch.tensor([i, INIT_MARK, int(blocked)])

@@ -5,9 +5,12 @@ clipping, and randomness from Python, numpy (global and a Generator) and torch. 
 ``start <restored step>`` and ``step <n> <loss as float.hex>`` lines to ``<out>/log.txt``
 and, when it reaches the end, writes the final model and optimizer state to
 ``<out>/final.npz``. Fault injection: ``--kill-at`` (SIGKILL to the whole process group,
-workers included, like a preempted machine), ``--term-at`` (SIGTERM to itself: the manager
-saves at the step boundary and exits), ``--slow-persist-at`` (the persist of that step hangs
-after the snapshot is sealed in the memory tier; the job is killed two steps later).
+workers included, like a preempted machine; only once the first checkpoint is committed),
+``--term-at`` (SIGTERM to itself: the manager saves at the step boundary and exits),
+``--slow-persist-at`` (the persist of that step hangs after the snapshot is sealed in the
+memory tier; the job is killed two steps later), ``--wait-at`` (at that step, before
+``mgr.step``, print ``waiting <step>`` on stdout and read stdin to its end: the test signals
+the whole process group meanwhile, as Slurm or ``docker stop`` would, then closes stdin).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import os
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -39,6 +43,7 @@ def main() -> None:
     p.add_argument("--kill-phase", choices=["mid", "after"], default="after")
     p.add_argument("--term-at", type=int)
     p.add_argument("--slow-persist-at", type=int)
+    p.add_argument("--wait-at", type=int)
     p.add_argument("--memory-tier", action="store_true")
     a = p.parse_args()
 
@@ -75,6 +80,7 @@ def main() -> None:
     log.write(f"start {restored}\n")
     log.flush()
     step = 0 if restored is None else restored + 1
+    first_save = None  # the handle of this run's first save
     model.train()
     while step < a.steps:
         for xb, yb in loader:
@@ -83,6 +89,8 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             if step == a.kill_at and a.kill_phase == "mid":
+                assert first_save is not None, "--kill-at must come after the first save"
+                first_save.wait()  # a restart must find a checkpoint to resume from
                 os.killpg(0, signal.SIGKILL)
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -93,8 +101,15 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)  # saved at this step's mgr.step, then exit
             if a.slow_persist_at is not None and step == a.slow_persist_at:
                 mgr.wait()  # the previous save is committed, so this one is not skipped
-            mgr.step(step, state, {"loss": loss.item()})
+            if step == a.wait_at:
+                print(f"waiting {step}", flush=True)
+                sys.stdin.read()  # the test signals the process group, then closes stdin
+            handle = mgr.step(step, state, {"loss": loss.item()})
+            if first_save is None:
+                first_save = handle
             if step == a.kill_at and a.kill_phase == "after":
+                assert first_save is not None, "--kill-at must come after the first save"
+                first_save.wait()  # a restart must find a checkpoint to resume from
                 os.killpg(0, signal.SIGKILL)
             if a.slow_persist_at is not None and step == a.slow_persist_at + 2:
                 assert sealed.wait(30), "the snapshot was never sealed"

@@ -19,7 +19,7 @@ adapter registry the first time a torch object shows up in a state.
 
 from __future__ import annotations
 
-from ..registry import register_adapter, staging_hooks
+from ..registry import exception_hints, register_adapter, staging_hooks
 from ..rng import register_rng_provider
 from . import _rng
 from ._adapter import (
@@ -27,15 +27,18 @@ from ._adapter import (
     GeneratorAdapter,
     ModuleAdapter,
     OptimizerAdapter,
+    SamplerAdapter,
     StatefulAdapter,
     TensorAdapter,
     unwrap_module,
 )
 from ._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from ._sampler import ResumableLoader, ResumableSampler
+from ._workers import worker_death_hint
 from .convert import export_safetensors, export_torch_save, import_dcp, import_torch_save
 
-for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter()):
+for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter(),
+                 SamplerAdapter()):
     register_adapter(_adapter)
 # after the specific ones (it would also match modules and optimizers), before the generic
 register_adapter(StatefulAdapter(), first=False)
@@ -43,6 +46,8 @@ register_adapter(DataLoaderHint(), first=False)
 register_rng_provider("torch", _rng.get_state, _rng.set_state, module="torch")
 if pin_staging not in staging_hooks:
     staging_hooks.append(pin_staging)
+if worker_death_hint not in exception_hints:
+    exception_hints.append(worker_death_hint)
 
 __all__ = ["ResumableSampler", "ResumableLoader", "TensorLeaf", "unwrap_module",
            "numpy_dtype", "torch_dtype",

@@ -4,6 +4,11 @@ Each ``capture`` returns a tree whose tensors are :class:`TensorLeaf` references
 tensors (restore streams bytes straight into them); each ``apply`` puts back what cannot be
 restored in place: hyper-parameters, step counters, scheduler and scaler state, and whole
 subtrees the checkpoint had but the target did not (an optimizer before its first step).
+
+``check`` refuses, from the checkpoint's shapes and values alone, a restore that ``apply``
+would refuse, so the core can stop before it writes a byte; ``apply`` runs the same checks
+(it may be called without them) and raises :class:`pitstop.CheckpointError` subclasses only,
+with the framework's exception chained as the cause.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pitstop.core.errors import UnsupportedStateError
+from pitstop.core.errors import CheckpointError, IncompatibleTargetError, UnsupportedStateError
 
 from ._leaf import TensorLeaf, to_tensor
+from ._sampler import ResumableLoader, ResumableSampler
 
 _WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule keeps the real module here
 
@@ -36,7 +42,7 @@ def unwrap_module(module: nn.Module) -> nn.Module:
         return module
 
 
-def _clean_key(key: str) -> str:
+def clean_key(key: str) -> str:
     """Drop ``_orig_mod.`` components (compiled submodules) from a state_dict key."""
     if _WRAPPER not in key:
         return key
@@ -48,18 +54,18 @@ def _wrap(tree: Any, where: str) -> Any:
     if isinstance(tree, torch.Tensor):
         return TensorLeaf(tree, where)
     if isinstance(tree, Mapping):
-        return {k: _wrap(v, f"{where}/{k}") for k, v in tree.items()}
+        return {k: _wrap(v, f"{where}/{k}" if where else str(k)) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_wrap(v, f"{where}/{i}") for i, v in enumerate(tree)]
+        return [_wrap(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(tree)]
     if isinstance(tree, tuple):
-        return tuple(_wrap(v, f"{where}/{i}") for i, v in enumerate(tree))
+        return tuple(_wrap(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(tree))
     return tree
 
 
 def _unwrap(tree: Any) -> Any:
     """Inverse of :func:`_wrap` on a restored tree: TensorLeaf -> its (restored) tensor, a
     numpy array rebuilt from the checkpoint -> a new CPU tensor (``load_state_dict`` moves
-    it to the right device and dtype, exactly as a CPU-mapped load of a torch file would)."""
+    it to the right device, exactly as a CPU-mapped load of a torch file would)."""
     if isinstance(tree, TensorLeaf):
         return tree.tensor
     if isinstance(tree, (np.ndarray, np.generic)):
@@ -73,6 +79,14 @@ def _unwrap(tree: Any) -> Any:
     return tree
 
 
+def _refused(obj: Any, e: Exception, fix: str) -> IncompatibleTargetError:
+    """``obj.load_state_dict`` raised ``e``: the error pitstop raises instead (cause chained
+    by the caller)."""
+    return IncompatibleTargetError(
+        f"{type(obj).__name__}.load_state_dict refused the checkpoint's state "
+        f"({type(e).__name__}: {e}). {fix}")
+
+
 class TensorAdapter:
     """A plain tensor in the state: saved as one array, restored in place."""
 
@@ -84,12 +98,7 @@ class TensorAdapter:
 
     def apply(self, obj: torch.Tensor, tree: Any) -> None:
         if isinstance(tree, np.ndarray):  # not restored in place: copy it in
-            with torch.no_grad():
-                obj.copy_(to_tensor(tree))
-
-    def describe(self, obj: torch.Tensor) -> dict[str, Any]:
-        leaf = TensorLeaf(obj)
-        return {"": (leaf.shape, leaf.dtype)}
+            TensorLeaf(obj).assign(tree)
 
 
 class ModuleAdapter:
@@ -103,7 +112,7 @@ class ModuleAdapter:
         module = unwrap_module(obj)
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
-            key = _clean_key(key)
+            key = clean_key(key)
             out[key] = TensorLeaf(value, key) if isinstance(value, torch.Tensor) else value
         return out
 
@@ -120,38 +129,117 @@ class ModuleAdapter:
                 or v.tensor.untyped_storage().data_ptr() not in live}
         if not rest:
             return
-        names = {_clean_key(k): k for k in module.state_dict(keep_vars=True)}
+        names = {clean_key(k): k for k in module.state_dict(keep_vars=True)}
         loadable = {names.get(k, k): _unwrap(v) for k, v in rest.items()}
-        result = module.load_state_dict(loadable, strict=False)
+        try:
+            result = module.load_state_dict(loadable, strict=False)
+        except Exception as e:  # noqa: BLE001 - set_extra_state or a hook refused it
+            raise _refused(module, e, "Build the module as the run that saved it did, or "
+                           "restore with strict=False to load what matches.") from e
         if result.unexpected_keys:
-            raise UnsupportedStateError(
-                f"module {type(module).__name__} does not accept {result.unexpected_keys}")
-
-    def describe(self, obj: nn.Module) -> dict[str, Any]:
-        return {k: (v.shape, v.dtype) for k, v in self.capture(obj).items()
-                if isinstance(v, TensorLeaf)}
+            raise IncompatibleTargetError(
+                f"module {type(module).__name__} has no entries {result.unexpected_keys} that "
+                "the checkpoint holds; build it as the run that saved it did, or restore with "
+                "strict=False", unexpected=list(result.unexpected_keys))
 
 
 class OptimizerAdapter:
     """Any ``torch.optim.Optimizer``: per-parameter state tensors by reference (int keys, as
-    in ``state_dict``), ``param_groups`` (lr, betas, weight decay, extras) as values."""
+    in ``state_dict``), ``param_groups`` (lr, betas, weight decay, extras) as values.
+
+    Restoring behaves as ``Optimizer.load_state_dict`` does: state the checkpoint has for a
+    parameter replaces the live one (``replace_on_mismatch``: also when the live optimizer
+    has stepped further, or LBFGS history lists have another length), while tensors whose
+    layout matches are restored in place and stay the very objects in ``optimizer.state``.
+    Unlike ``load_state_dict``, every state tensor keeps the dtype it was saved with (fp32
+    moments of bf16 parameters stay fp32).
+    """
+
+    replace_on_mismatch = True
 
     def can_handle(self, obj: Any) -> bool:
         return isinstance(obj, torch.optim.Optimizer)
 
     def capture(self, obj: torch.optim.Optimizer) -> dict[str, Any]:
-        return _wrap(obj.state_dict(), "")
+        return _wrap(obj.state_dict(), "")  # type: ignore[no-any-return]
+
+    def check(self, obj: torch.optim.Optimizer, tree: Any) -> None:
+        """What ``Optimizer.load_state_dict`` validates: the number of parameter groups and
+        of parameters in each."""
+        name = type(obj).__name__
+        groups = tree.get("param_groups") if isinstance(tree, Mapping) else None
+        if (not isinstance(groups, (list, tuple)) or not isinstance(tree.get("state"), Mapping)
+                or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                           for g in groups)):
+            raise IncompatibleTargetError(
+                f"the checkpoint's entry for this {name} is not an optimizer state dict (no "
+                "'state' and 'param_groups' with 'params' lists); restore it into the kind of "
+                "object that saved it")
+        fix = (f"Build the {name} over the same parameter groups as the run that saved it "
+               "(same number of groups, same number of parameters in each, in the same order).")
+        if len(groups) != len(obj.param_groups):
+            raise IncompatibleTargetError(
+                f"the checkpoint's {name} has {len(groups)} parameter groups, this one has "
+                f"{len(obj.param_groups)}. {fix}")
+        for i, (saved, live) in enumerate(zip(groups, obj.param_groups, strict=True)):
+            if len(saved["params"]) != len(live["params"]):
+                raise IncompatibleTargetError(
+                    f"parameter group {i} of the checkpoint's {name} has "
+                    f"{len(saved['params'])} parameters, this one has {len(live['params'])}. "
+                    f"{fix}")
 
     def apply(self, obj: torch.optim.Optimizer, tree: dict[str, Any]) -> None:
-        # load_state_dict keeps the tensors we already restored in place (``.to`` is a no-op
-        # on the same device and dtype) and turns rebuilt arrays into tensors on the
-        # parameters' devices, as it does for any state dict
+        # load_state_dict keeps the tensors restored in place (``.to`` is a no-op on the same
+        # device and dtype) and turns rebuilt arrays into tensors on the parameters' devices,
+        # as it does for any state dict; then every tensor whose dtype it changed is put back
+        self.check(obj, tree)
+        given = _unwrap(tree)
         try:
-            obj.load_state_dict(_unwrap(tree))
-        except ValueError as e:
-            raise UnsupportedStateError(
-                f"cannot restore {type(obj).__name__}: {e}. Build the optimizer over the same "
-                "parameter groups (same number and sizes) as the run that saved it.") from None
+            obj.load_state_dict(given)
+        except Exception as e:  # noqa: BLE001 - a load_state_dict hook or torch refused it
+            raise _refused(obj, e, "Build the optimizer as the run that saved it did (same "
+                           "class, same parameter groups).") from e
+        _keep_saved_dtypes(obj, given)
+
+
+def _keep_saved_dtypes(opt: torch.optim.Optimizer, given: Mapping[str, Any]) -> None:
+    """Undo ``load_state_dict``'s cast of floating state to the parameters' dtype: each state
+    tensor whose dtype it changed is replaced by the tensor it was given (moved to the device
+    load_state_dict chose), so a tensor restored in place stays the object in the state.
+    Tensor hyper-parameters (a tensor ``lr``), which load_state_dict deep-copies, are put
+    back too where the copy is alike."""
+    saved_ids = [i for g in given["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    by_id = dict(zip(saved_ids, params, strict=False))
+    for k, saved in given["state"].items():
+        p = by_id.get(k)
+        if p is None or p not in opt.state:
+            continue
+        opt.state[p] = _same_dtypes(opt.state[p], saved)
+    for group, saved_group in zip(opt.param_groups, given["param_groups"], strict=False):
+        for k, v in saved_group.items():
+            now = group.get(k)
+            if (k != "params" and isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor)
+                    and now is not v and now.dtype == v.dtype and now.device == v.device
+                    and now.shape == v.shape):
+                group[k] = v
+
+
+def _same_dtypes(live: Any, saved: Any) -> Any:
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if live is saved or live.dtype == saved.dtype:
+            return live
+        return saved if saved.device == live.device else saved.to(live.device)
+    if isinstance(live, dict) and isinstance(saved, Mapping):
+        for k in live:
+            if k in saved:
+                live[k] = _same_dtypes(live[k], saved[k])
+        return live
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) \
+            and len(live) == len(saved):
+        items = [_same_dtypes(a, b) for a, b in zip(live, saved, strict=True)]
+        return type(live)(items) if type(live) in (list, tuple) else live
+    return live
 
 
 class GeneratorAdapter:
@@ -163,14 +251,83 @@ class GeneratorAdapter:
     def capture(self, obj: torch.Generator) -> dict[str, Any]:
         return {"device": str(obj.device), "state": obj.get_state().numpy().tobytes()}
 
+    def check(self, obj: torch.Generator, tree: Any) -> None:
+        """A generator state fits only a generator of the same device type (and size)."""
+        state = tree.get("state") if isinstance(tree, Mapping) else None
+        if not isinstance(state, (bytes, bytearray)):
+            raise IncompatibleTargetError(
+                "the checkpoint's entry for this torch.Generator holds no generator state; "
+                "restore it into the kind of object that saved it")
+        saved = torch.device(str(tree.get("device", "cpu"))).type
+        if saved != obj.device.type:
+            raise IncompatibleTargetError(
+                f"the checkpoint holds the state of a {saved} torch.Generator, this one is on "
+                f"{obj.device}; build it with torch.Generator(device={saved!r})")
+        size = obj.get_state().numel()
+        if len(state) != size:
+            raise IncompatibleTargetError(
+                f"the checkpoint's torch.Generator state has {len(state)} bytes, this "
+                f"{obj.device} generator's has {size} (saved by another torch build?); leave "
+                "it out of the state to start it from its own seed")
+
     def apply(self, obj: torch.Generator, tree: dict[str, Any]) -> None:
-        obj.set_state(torch.frombuffer(bytearray(tree["state"]), dtype=torch.uint8))
+        self.check(obj, tree)
+        try:
+            obj.set_state(torch.frombuffer(bytearray(tree["state"]), dtype=torch.uint8))
+        except RuntimeError as e:
+            raise _refused(obj, e, "Leave it out of the state to start it from its own "
+                           "seed.") from e
+
+
+class SamplerAdapter:
+    """:class:`ResumableSampler` / :class:`ResumableLoader`: their position, as values.
+
+    A sampler iterated by a plain ``DataLoader`` with worker processes saves a position
+    ahead of the loop (the workers prefetch); ``caveats`` says so, naming the fix.
+    """
+
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, (ResumableSampler, ResumableLoader))
+
+    def capture(self, obj: ResumableSampler | ResumableLoader) -> dict[str, Any]:
+        return obj.state_dict()
+
+    def check(self, obj: ResumableSampler | ResumableLoader, tree: Any) -> None:
+        _sampler_of(obj).check_state(tree)
+
+    def apply(self, obj: ResumableSampler | ResumableLoader, tree: Any) -> None:
+        obj.load_state_dict(tree)
+
+    def caveats(self, obj: ResumableSampler | ResumableLoader) -> list[str]:
+        if isinstance(obj, ResumableLoader):
+            return []  # it counts what the loop took: exact with any number of workers
+        return obj.caveats()
+
+
+def _sampler_of(obj: ResumableSampler | ResumableLoader) -> ResumableSampler:
+    return obj if isinstance(obj, ResumableSampler) else obj.sampler  # type: ignore[return-value]
+
+
+def _lr_scheduler_types() -> tuple[type, ...]:
+    sched = torch.optim.lr_scheduler
+    return tuple(t for t in (getattr(sched, "LRScheduler", None),
+                             getattr(sched, "_LRScheduler", None),
+                             getattr(sched, "ReduceLROnPlateau", None)) if isinstance(t, type))
+
+
+def _grad_scaler_types() -> tuple[type, ...]:
+    found = [getattr(getattr(torch, "amp", None), "GradScaler", None),
+             getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)]
+    return tuple(t for t in found if isinstance(t, type))
 
 
 class StatefulAdapter:
-    """Objects with ``state_dict()``/``load_state_dict()`` (LR schedulers, GradScaler, the
-    resumable sampler, user objects): like the generic adapter, but tensors inside the state
-    dict are captured by reference and handed back as tensors."""
+    """Objects with ``state_dict()``/``load_state_dict()`` (LR schedulers, GradScaler, user
+    objects): like the generic adapter, but tensors inside the state dict are captured by
+    reference and handed back as tensors. Restoring replaces the state, as
+    ``load_state_dict`` does, also when the checkpoint's layout differs from the live one."""
+
+    replace_on_mismatch = True
 
     def can_handle(self, obj: Any) -> bool:
         return (callable(getattr(obj, "state_dict", None))
@@ -180,8 +337,51 @@ class StatefulAdapter:
     def capture(self, obj: Any) -> Any:
         return _wrap(obj.state_dict(), "")
 
+    def check(self, obj: Any, tree: Any) -> None:
+        """What torch's own ``load_state_dict`` of schedulers and GradScaler would refuse."""
+        name = type(obj).__name__
+        if isinstance(obj, _grad_scaler_types()):
+            if not obj.is_enabled():  # type: ignore[attr-defined]
+                return  # a disabled scaler ignores any state
+            if not isinstance(tree, Mapping) or not tree:
+                raise IncompatibleTargetError(
+                    f"the checkpoint's {name} was disabled when it was saved (its state is "
+                    f"empty) and this one is enabled. Build it with enabled=False to resume "
+                    "that run as it was, or leave it out of the state and restore with "
+                    "strict=False to start its scale afresh.")
+            missing = [k for k in ("scale", "growth_factor", "backoff_factor",
+                                   "growth_interval", "_growth_tracker") if k not in tree]
+            if missing:
+                raise IncompatibleTargetError(
+                    f"the checkpoint's entry for this {name} lacks {missing}; it was not saved "
+                    "from a GradScaler. Restore it into the kind of object that saved it.")
+            return
+        if isinstance(obj, _lr_scheduler_types()):
+            if not isinstance(tree, Mapping):
+                raise IncompatibleTargetError(
+                    f"the checkpoint's entry for this {name} is a {type(tree).__name__}, not "
+                    "a scheduler state dict; restore it into the kind of object that saved it")
+            for key, what in (("_schedulers", "schedulers"), ("lr_lambdas", "lr_lambdas")):
+                mine, theirs = getattr(obj, key, None), tree.get(key)
+                if not isinstance(mine, list) or not isinstance(theirs, list):
+                    continue
+                if len(mine) != len(theirs):
+                    raise IncompatibleTargetError(
+                        f"the checkpoint's {name} has {len(theirs)} {what}, this one has "
+                        f"{len(mine)}; build it as the run that saved it did")
+                if key == "_schedulers":
+                    for child, sub in zip(mine, theirs, strict=True):
+                        self.check(child, sub)
+
     def apply(self, obj: Any, tree: Any) -> None:
-        obj.load_state_dict(_unwrap(tree))
+        self.check(obj, tree)
+        try:
+            obj.load_state_dict(_unwrap(tree))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the object's load_state_dict raised
+            raise _refused(obj, e, "Build it as the run that saved it did, or leave it out "
+                           "of the state and restore with strict=False.") from e
 
 
 class DataLoaderHint:

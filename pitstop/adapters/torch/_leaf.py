@@ -50,15 +50,20 @@ _TORCH_OF_NP: dict[np.dtype, torch.dtype] = {v: k for k, v in _DIRECT.items()}
 _TORCH_OF_NP.update({np_dt: t for t, (_i, np_dt) in _BITS.items()})
 
 
+def named(where: str, what: str = "tensor") -> str:
+    """``tensor 'layer.weight'`` when the key is known, else ``this tensor`` (the core puts
+    the state path in front of an adapter's message)."""
+    return f"{what} {where!r}" if where else f"this {what}"
+
+
 def numpy_dtype(dtype: torch.dtype, where: str = "") -> np.dtype:
     """The numpy dtype a tensor of ``dtype`` is saved as; raises for dtypes numpy cannot hold."""
     if dtype in _DIRECT:
         return _DIRECT[dtype]
     if dtype in _BITS:
         return _BITS[dtype][1]
-    at = f" {where!r}" if where else ""
     raise UnsupportedStateError(
-        f"tensor{at} has dtype {dtype}, which pitstop cannot save bit-exactly (no numpy or "
+        f"{named(where)} has dtype {dtype}, which pitstop cannot save bit-exactly (no numpy or "
         "ml_dtypes equivalent). Convert it first, e.g. complex32 -> .to(torch.complex64), a "
         "quantized tensor -> .dequantize() or .int_repr(), a packed float4 -> .view(torch.uint8).")
 
@@ -68,7 +73,9 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
     try:
         return _TORCH_OF_NP[np.dtype(dtype)]
     except KeyError:
-        raise UnsupportedStateError(f"numpy dtype {dtype} has no torch equivalent") from None
+        raise UnsupportedStateError(
+            f"the checkpoint holds an array of numpy dtype {dtype}, which has no torch "
+            "equivalent; restore it into a numpy array instead of a tensor") from None
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -106,27 +113,29 @@ class TensorLeaf(ArrayLeaf):
     """A reference to one live tensor (parameter, buffer, optimizer state, plain tensor)."""
 
     def __init__(self, tensor: torch.Tensor, where: str = "") -> None:
-        if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
+        if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             raise UnsupportedStateError(
-                f"parameter {where!r} of a lazy module is not initialized yet; run one "
-                "forward pass before saving or restoring.")
+                f"{named(where, 'parameter')} of a lazy module is not initialized yet; run "
+                "one forward pass before saving or restoring.")
         if tensor.layout != torch.strided:
             raise UnsupportedStateError(
-                f"tensor {where!r} has layout {tensor.layout}; only dense tensors are saved. "
+                f"{named(where)} has layout {tensor.layout}; only dense tensors are saved. "
                 "Convert it with .to_dense() and keep the dense copy in the state.")
         if tensor.is_quantized or tensor.is_nested or tensor.device.type == "meta":
             kind = ("quantized" if tensor.is_quantized else "nested" if tensor.is_nested
                     else "on the meta device (it holds no data)")
             raise UnsupportedStateError(
-                f"tensor {where!r} is {kind}; pitstop saves dense tensors with data. "
+                f"{named(where)} is {kind}; pitstop saves dense tensors with data. "
                 "Materialize it (e.g. .dequantize(), .to_padded_tensor(0), or run "
                 "reset_parameters()/to_empty() before saving).")
         if type(tensor).__name__ in ("DTensor", "ShardedTensor"):
             raise UnsupportedStateError(
-                f"tensor {where!r} is a {type(tensor).__name__}; save its local shard per "
+                f"{named(where)} is a {type(tensor).__name__}; save its local shard per "
                 "rank (tensor.to_local()) or gather it first (full_tensor()).")
         #: the live tensor itself (not a detached alias: apply hands this very object back)
         self.tensor = tensor
+        #: its key inside the object that holds it ("" for a tensor placed in the state)
+        self.where = where
         self.shape = tuple(int(s) for s in tensor.shape)
         self.dtype = numpy_dtype(tensor.dtype, where)
         self.snapshot_fence: Callable[[], None] | None = None
@@ -148,6 +157,18 @@ class TensorLeaf(ArrayLeaf):
         self.snapshot_fence = _fence_for(t.device)
 
     # ------------------------------------------------------------------ restore
+    def check_restorable(self) -> None:
+        """Refuse, before a restore writes anything, a tensor that cannot take the values
+        exactly: one whose elements share memory (an ``expand``ed or ``as_strided`` view), where
+        writing element after element would leave the last row everywhere."""
+        t = self.tensor
+        if _has_internal_overlap(t):
+            raise UnsupportedStateError(
+                f"cannot restore into {named(self.where)}: its shape {list(t.shape)} with "
+                f"stride {list(t.stride())} makes several elements share memory (an expanded "
+                "or as_strided view). Restore into a tensor that owns its memory (e.g. .clone() "
+                "an expanded view).")
+
     def host_view(self) -> np.ndarray | None:
         t = self.tensor
         if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
@@ -156,21 +177,47 @@ class TensorLeaf(ArrayLeaf):
         return view if view.flags.c_contiguous and view.flags.writeable else None
 
     def assign(self, value: np.ndarray) -> None:
+        self.check_restorable()  # never write the last row everywhere, whoever calls
         t = self.tensor
         try:
             if t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
                 np.copyto(numpy_view(t), value, casting="no")
             else:
-                with torch.no_grad():
-                    t.copy_(from_numpy(value if value.flags.c_contiguous else value.copy()))
-        except (RuntimeError, ValueError) as e:
+                src = from_numpy(value if value.flags.c_contiguous else value.copy())
+                # an inference tensor takes in-place writes only inside inference mode
+                with torch.inference_mode() if t.is_inference() else torch.no_grad():
+                    t.copy_(src)
+        except (RuntimeError, ValueError, TypeError) as e:
             raise UnsupportedStateError(
-                f"cannot restore into a tensor of shape {list(t.shape)} (stride "
+                f"cannot restore into {named(self.where)} of shape {list(t.shape)} (stride "
                 f"{list(t.stride())}): {e}. Restore into a tensor that owns its memory "
-                "(e.g. .clone() an expanded view).") from None
+                "(e.g. .clone() an expanded view).") from e
 
     def __repr__(self) -> str:
         return f"TensorLeaf({self.tensor.dtype}{list(self.shape)} on {self.tensor.device})"
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` may share memory: torch's own answer where it has one,
+    else a stride of 0 on a dimension longer than 1, or strides that step over less than
+    the dimensions inside them span (a conservative test for as_strided layouts)."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False  # the common case, cheap: one check per leaf before every restore
+    probe = getattr(torch, "_debug_has_internal_overlap", None)
+    if probe is not None:
+        try:
+            answer = int(probe(t))
+        except (RuntimeError, TypeError):
+            answer = 2
+        if answer in (0, 1):  # MemOverlap::No / Yes; 2 is "too hard to tell"
+            return answer == 1
+    extent = 1  # in elements
+    for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride(), strict=True)
+                               if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
 
 
 # ---------------------------------------------------------------------- CUDA

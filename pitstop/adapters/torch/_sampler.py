@@ -12,20 +12,35 @@ progress; the loader's count is what gets saved. It also fixes a drift of the pl
 generator, so a resumed run (which creates one more iterator mid-epoch) would see different
 dropout masks from then on. The loader draws that seed from its own generator, re-seeded
 from ``(seed, epoch)`` before each epoch, so worker seeds are the same after a resume and
-the global generator is never touched.
+the global generator is never touched. Its worker processes leave SIGTERM and SIGINT to the
+training process (see ``_workers``), so a signal to the whole job is saved, not fatal.
+
+A bare ``ResumableSampler`` under a ``DataLoader`` with worker processes cannot be exact;
+it notices the prefetching iterator when an epoch starts and says so (``caveats``), naming
+``ResumableLoader`` as the fix.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sized
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sized
+from types import FrameType
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from pitstop.core.errors import IncompatibleTargetError
+
+from ._workers import WorkerInit, signals_blocked
+
 log = logging.getLogger("pitstop")
+
+#: how many callers up from a sampler's ``__iter__`` to look for the DataLoader iterator
+#: (the sampler <- BatchSampler.__iter__ (<- its list comprehension) <- _next_index)
+_CALLER_DEPTH = 8
 
 _MASK = (1 << 63) - 1
 
@@ -43,7 +58,8 @@ class ResumableSampler(Sampler[int]):
     ``position`` is the number of this rank's indices of the current epoch already consumed.
     Iterating it directly (a ``DataLoader`` with ``num_workers=0``) counts the indices handed
     out, which is exact there; with worker processes use :class:`ResumableLoader`, which
-    counts the batches the training loop consumed instead.
+    counts the batches the training loop consumed instead (in the checkpointed state, a
+    sampler under a prefetching ``DataLoader`` is reported at the first save).
 
     The epoch advances by itself when one is used up; ``set_epoch(e)`` (the
     ``DistributedSampler`` call) is also accepted and keeps the position when ``e`` is the
@@ -65,6 +81,8 @@ class ResumableSampler(Sampler[int]):
         self.position = 0
         #: set by ResumableLoader: it, not iteration, advances ``position``
         self._tracked = False
+        #: what iterates this sampler ahead of the training loop, as last seen (see caveats)
+        self._prefetched_by: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -100,6 +118,8 @@ class ResumableSampler(Sampler[int]):
         if self._tracked:
             yield from order[start:]
             return
+        # the body runs at the first next(): our caller is what draws the indices
+        self._prefetched_by = _prefetching_caller(sys._getframe(1))
         for i in range(start, len(order)):
             self._consume(1)
             yield order[i]
@@ -128,13 +148,37 @@ class ResumableSampler(Sampler[int]):
                 "num_replicas": self.num_replicas, "rank": self.rank,
                 "drop_last": self.drop_last}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def caveats(self) -> list[str]:
+        """Why the saved position may not be exact, with the fix (empty when it is exact)."""
+        if self._tracked or self._prefetched_by is None:
+            return []
+        return [
+            f"this ResumableSampler is iterated by {self._prefetched_by}, whose worker "
+            "processes take indices ahead of the training loop (prefetch): the saved position "
+            "runs ahead of the batches trained on, and a resumed run would skip those. Use "
+            "pitstop.adapters.torch.ResumableLoader (DataLoader's arguments; pass this "
+            "sampler as sampler=) and put the loader in the state instead: it counts the "
+            "batches the loop took."]
+
+    def check_state(self, state: Any) -> None:
+        """Raise :class:`pitstop.IncompatibleTargetError` when ``state`` cannot be loaded:
+        not a sampler state, or saved over a dataset of another length."""
+        needed = ("seed", "epoch", "position", "shuffle", "dataset_len")
+        if not isinstance(state, Mapping) or any(k not in state for k in needed):
+            have = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+            raise IncompatibleTargetError(
+                f"the checkpoint's entry is not a ResumableSampler/ResumableLoader state "
+                f"(needs {list(needed)}, found {have}); restore it into the kind of object "
+                "that saved it")
         if int(state["dataset_len"]) != self.dataset_len:
-            raise ValueError(
+            raise IncompatibleTargetError(
                 f"the checkpoint's sampler ran over {state['dataset_len']} samples, this dataset "
                 f"has {self.dataset_len}: its saved position would point at other samples. "
-                "Resume with the same dataset, or leave the sampler out of the state (and call "
-                "set_epoch) to start the epoch over.")
+                "Resume with the same dataset, or leave the sampler/loader out of the state "
+                "(restore with strict=False, then call set_epoch) to start the epoch over.")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
         self.epoch = int(state["epoch"])
@@ -149,13 +193,33 @@ class ResumableSampler(Sampler[int]):
         self.position = min(position, self.num_samples)
 
 
+def _prefetching_caller(frame: FrameType | None) -> str | None:
+    """``"a DataLoader with num_workers=2"`` when a DataLoader iterator whose workers draw
+    indices ahead of the loop is among the first callers of ``frame``, else None."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    for _ in range(_CALLER_DEPTH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _BaseDataLoaderIter):
+            workers = int(getattr(owner, "_num_workers", 0) or 0)
+            if workers <= 0:
+                return None  # one process: indices are drawn when the loop asks for a batch
+            return f"a DataLoader with num_workers={workers}"
+        frame = frame.f_back
+    return None
+
+
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` whose ``state_dict`` is exactly where the training loop is.
 
     Same arguments as ``DataLoader`` plus ``seed`` (shuffle order and worker seeds). Put it
     in the checkpointed state; after ``restore`` the next ``iter(loader)`` yields the batch
     that would have come next, also with ``num_workers > 0``. Iterating again after breaking
-    out of a loop also continues where the loop stopped.
+    out of a loop also continues where the loop stopped. Its worker processes ignore a
+    SIGTERM/SIGINT sent to the whole process group (the training process saves, then
+    exits as the signal asks); ``worker_init_fn`` is wrapped for that and still called.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False, *,
@@ -181,6 +245,16 @@ class ResumableLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                          generator=self.seed_generator, **kwargs)
 
+    @property  # type: ignore[override]
+    def worker_init_fn(self) -> WorkerInit:
+        """The ``worker_init_fn`` torch calls in each worker: it leaves SIGTERM and SIGINT to
+        the main process (see ``_workers``), then calls the one you passed (``.fn``)."""
+        return self._worker_init
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Callable[[int], Any] | None) -> None:
+        self._worker_init = fn if isinstance(fn, WorkerInit) else WorkerInit(fn)
+
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to."""
@@ -200,7 +274,14 @@ class ResumableLoader(DataLoader):
             s._next_epoch()
         # worker seeds depend on (seed, epoch) only; persistent workers are seeded once
         self.seed_generator.manual_seed(_mix(s.seed, 0 if self.persistent_workers else s.epoch))
-        return _TrackedIter(self, super().__iter__())
+        if self.num_workers > 0:
+            # workers start with SIGTERM/SIGINT blocked, so none reaches them before
+            # their worker_init_fn hands both to the main process (see _workers)
+            with signals_blocked():
+                it = super().__iter__()
+        else:
+            it = super().__iter__()
+        return _TrackedIter(self, it)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()  # type: ignore[attr-defined,no-any-return]

@@ -12,6 +12,11 @@ Tensors become numpy arrays bit for bit: bfloat16 and float8 go through an integ
 into their ml_dtypes counterparts; views and non-contiguous tensors are saved as they
 read. Values (epoch, optimizer hyper-parameters, ...) stay Python values. Anything else
 raises :class:`pitstop.UnsupportedStateError` naming its key path.
+
+Module state dicts are imported under the keys a live save would give them: the ``module.``
+prefix of a DDP / DataParallel model and the ``_orig_mod.`` components of a
+``torch.compile``d one are dropped, so the checkpoint restores into a plain, a wrapped or a
+compiled model alike.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import pickle  # only for the exception type weights_only raises
+import re
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -28,9 +34,16 @@ import numpy as np
 import torch
 
 from ...core.dtypes import ML_DTYPES
-from ...core.errors import CheckpointNotFoundError, UnsupportedStateError
+from ...core.errors import (
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    StepExistsError,
+    UnsupportedStateError,
+)
 from ...core.manager import CheckpointManager
 from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, split
+from ._adapter import clean_key
 
 __all__ = ["import_torch_save", "import_dcp", "export_torch_save", "export_safetensors"]
 
@@ -171,19 +184,97 @@ def _select(obj: Any, key: str | None, source: str) -> Any:
         elif isinstance(node, (list, tuple)) and comp.isdigit() and int(comp) < len(node):
             node = node[int(comp)]
             continue
-        have = sorted(map(str, node)) if isinstance(node, Mapping) else type(node).__name__
-        raise KeyError(f"{source}: no entry {key!r} (at {comp!r}; found: {have})")
+        if isinstance(node, Mapping):
+            have = ", ".join(repr(k) for k in sorted(map(str, node))) or "none"
+            found = f"entries there: {have}"
+        elif isinstance(node, (list, tuple)):
+            found = f"a list of {len(node)} there (keys 0 to {len(node) - 1})"
+        else:
+            found = f"a {type(node).__name__} there, which has no entries"
+        raise CheckpointNotFoundError(
+            f"{source} has no entry {key!r} (no {comp!r}; {found}). Pass one of them as key=, "
+            "or key=None for everything.")
     return node
+
+
+# ----------------------------------------------------------------------------- module keys
+def _is_module_state_dict(obj: Any) -> bool:
+    """A flat ``{"layer.weight": tensor, ...}`` (``_extra_state`` entries may hold anything)."""
+    return (isinstance(obj, Mapping) and bool(obj)
+            and all(isinstance(k, str) for k in obj)
+            and all(isinstance(v, torch.Tensor) or k.endswith("_extra_state")
+                    for k, v in obj.items())
+            and any(isinstance(v, torch.Tensor) for v in obj.values()))
+
+
+def _unwrapped_keys(keys: list[str]) -> list[str]:
+    """What a live save of the unwrapped module calls these keys: ``_orig_mod`` components
+    dropped (torch.compile), then a ``module.`` prefix every key has (DDP / DataParallel,
+    also nested), as ``consume_prefix_in_state_dict_if_present(sd, "module.")`` would."""
+    keys = [clean_key(k) for k in keys]
+    while keys and all(k.startswith("module.") for k in keys):
+        keys = [k[len("module."):] for k in keys]
+    return keys
+
+
+def _clean_module_keys(obj: Any) -> Any:
+    """Every module state dict in ``obj`` under the keys a live save would use (unless two
+    keys would become one: then it stays as saved)."""
+    if _is_module_state_dict(obj):
+        keys = _unwrapped_keys(list(obj))
+        if keys == list(obj) or len(set(keys)) != len(keys):
+            return obj
+        return dict(zip(keys, obj.values(), strict=True))
+    if isinstance(obj, Mapping):
+        return {k: _clean_module_keys(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean_module_keys(v) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(_clean_module_keys(v) for v in obj)
+    return obj
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _reason(e: BaseException) -> str:
+    """The line of torch's weights_only error that says what was refused, without the
+    terminal colour codes torch puts in it."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("WeightsUnpickler error:"):
+            return ln[len("WeightsUnpickler error:"):].strip()
+    return lines[0] if lines else type(e).__name__
 
 
 # ----------------------------------------------------------------------------- pitstop side
 def _write(state: Any, directory: PathLike, step: int,
            metrics: Mapping[str, Any] | None) -> int:
     """Save ``state`` (numpy + values) as committed step ``step``; returns the step."""
-    with CheckpointManager(directory, async_save=False, save_on_signals=None,
-                           memory_tier=False) as mgr:
+    # not ``with CheckpointManager(...)``: its __exit__ reports an exception as one "during
+    # training", which an import is not
+    mgr = CheckpointManager(directory, async_save=False, save_on_signals=None,
+                            memory_tier=False)
+    try:
         mgr.save(step, state, metrics).wait()
+    finally:
+        mgr.close()
     return step
+
+
+def _refuse_existing(directory: PathLike, step: int) -> None:
+    """Raise StepExistsError before reading a (possibly large) file to import."""
+    mgr = CheckpointManager(directory, read_only=True, save_on_signals=None)
+    try:
+        exists = step in mgr.all_steps()
+        where = mgr.directory
+    finally:
+        mgr.close()
+    if exists:
+        raise StepExistsError(
+            f"{where} already has a checkpoint of step {step}; pitstop never overwrites one. "
+            "Import under another step (step=...) or into another directory, or delete that "
+            "checkpoint first.")
 
 
 def _read(directory: PathLike, step: int | None, key: str | None) -> tuple[int, Any]:
@@ -203,16 +294,21 @@ def _atomic_write(path: PathLike, write: Any) -> None:
     """Write through a temporary file in the same folder, then rename into place."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pitstop-export-")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pitstop-export-")
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write {path}: {e}", path=path) from e
     os.close(fd)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointWriteError(f"cannot write {path}: {e}", path=path) from e
         raise
 
 
@@ -223,10 +319,15 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
 
     The file may hold a state dict, a nested dict of them (``{"model": ..., "optimizer":
     ..., "epoch": 3}``), or any tree of tensors and plain values; ``key`` picks one entry
-    (a pitstop key path such as ``"state_dict"``). Returns ``step``. Raises
-    :class:`pitstop.UnsupportedStateError` naming the key of anything it cannot convert,
-    and :class:`pitstop.StepExistsError` if ``step`` is already committed there.
+    (a pitstop key path such as ``"state_dict"``). A module state dict saved from a DDP or
+    ``torch.compile``d model gets the plain model's keys (as a live save would). Returns
+    ``step``. Raises :class:`pitstop.UnsupportedStateError` naming the key of anything it
+    cannot convert, :class:`pitstop.StepExistsError` if ``step`` is already committed there
+    (before reading the file), and :class:`pitstop.CheckpointNotFoundError` for a missing
+    file or ``key``.
     """
+    _refuse_existing(directory, step)
+    source = os.fspath(path)
     # weights_only=True: torch's restricted unpickler, which only rebuilds tensors and plain
     # containers/values and refuses any other global, so a hostile file cannot run code.
     # This explicit import helper is the only place pitstop unpickles a torch file.
@@ -234,9 +335,17 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
         obj = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:  # what weights_only raises for a refused object
         raise UnsupportedStateError(
-            f"{os.fspath(path)}: torch.load(weights_only=True) refused this file: it holds "
-            f"objects beyond tensors and plain values. {str(e).splitlines()[0]}") from e
-    state = _torch_to_numpy_tree(_select(obj, key, os.fspath(path)))
+            f"{source}: torch.load(weights_only=True) refused this file: it holds objects "
+            f"beyond tensors and plain values ({_reason(e)}). Save plain state dicts "
+            "(model.state_dict(), optimizer.state_dict(), numbers) and import that file.") from e
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{source}: no such file to import") from e
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{source}: torch.load cannot read this file ({_reason(e)}); is it a complete "
+            "torch.save file?", checkpoint=source) from e
+    tree = _clean_module_keys(_select(obj, key, source))
+    state = _torch_to_numpy_tree(tree)
     return _write(state, directory, step, metrics)
 
 
@@ -261,7 +370,7 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
             except Exception as e:
                 raise UnsupportedStateError(
                     f"DCP entry {fqn!r}: torch.load(weights_only=True) refused it: "
-                    f"{str(e).splitlines()[0]}") from e
+                    f"{_reason(e)}") from e
             if self.flatten_state_dict:
                 _set_path(self.original_state_dict, self.mappings[fqn], obj)
             else:
@@ -323,8 +432,9 @@ def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | 
     never unpickles. Non-tensor entries are loaded with ``torch.load(weights_only=True)``
     (DCP itself uses ``weights_only=False``).
     """
+    _refuse_existing(directory, step)
     tree = _int_optimizer_keys(_load_dcp(dcp_dir))
-    state = _torch_to_numpy_tree(_select(tree, key, os.fspath(dcp_dir)))
+    state = _torch_to_numpy_tree(_clean_module_keys(_select(tree, key, os.fspath(dcp_dir))))
     return _write(state, directory, step, metrics)
 
 
@@ -378,10 +488,12 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
                        key: str | None = None) -> int:
     """Write the arrays of checkpoint ``step`` (default: the newest) as a .safetensors file.
 
-    Tensor names are pitstop key paths: components joined with ``/``, so a torch name such
-    as ``layer.weight`` stays intact (``model/layer.weight``, ``optimizer/state/0/exp_avg``);
-    a ``/`` or ``~`` inside a component is written ``~1`` / ``~0``. With ``key="model"`` the
-    names are the model's own (``layer.weight``), ready for ``model.load_state_dict``.
+    Tensor names are the key path's components joined with ``/``, as they are (no escapes),
+    so a torch name such as ``layer.weight`` or a ModuleDict key ``enc/dec`` stays intact
+    (``model/layer.weight``, ``optimizer/state/0/exp_avg``). With ``key="model"`` the names are
+    the model's own (``layer.weight``, ``enc/dec.weight``), ready for
+    ``model.load_state_dict(safetensors.torch.load_file(path))``. Two entries that would get
+    the same name (``"a/b"`` and ``"a"`` -> ``"b"``) raise :class:`pitstop.UnsupportedStateError`.
     Values go into the string metadata: ``"pitstop"`` holds JSON ``{"format_version": 1,
     "step": ..., "values": {key path: value}}`` (values in pitstop's manifest encoding), and
     ``"format"`` is ``"pt"`` as Hugging Face loaders expect. Dtypes safetensors cannot hold
@@ -393,12 +505,19 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
     flat = flatten(tree)
     supported = _SAFETENSORS_BASE | set(getattr(st, "_TYPES", {}).values())
     tensors: dict[str, torch.Tensor] = {}
-    for name, leaf in flat.arrays.items():
-        t = _numpy_to_tensor(leaf.array, name)  # type: ignore[attr-defined]
+    paths: dict[str, str] = {}
+    for kp, leaf in flat.arrays.items():
+        t = _numpy_to_tensor(leaf.array, kp)  # type: ignore[attr-defined]
         if t.dtype not in supported:
             raise UnsupportedStateError(
-                f"state entry {name!r}: safetensors cannot store dtype {t.dtype}; export it "
+                f"state entry {kp!r}: safetensors cannot store dtype {t.dtype}; export it "
                 "with export_torch_save, or convert it first")
+        name = "/".join(split(kp))  # the names the objects themselves use, unescaped
+        if name in paths:
+            raise UnsupportedStateError(
+                f"state entries {paths[name]!r} and {kp!r} would both be named {name!r} in "
+                "the safetensors file; export one of them with key=, or use export_torch_save")
+        paths[name] = kp
         tensors[name] = t
     values = {k: encode_value(v, k) for k, v in flat.values.items()}
     meta = {"format": "pt", "pitstop": json.dumps(
