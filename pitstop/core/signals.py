@@ -122,18 +122,16 @@ class SignalSaver:
         handler, if still installed, behaves as the previous one."""
         self.active = False
         self.pending = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum, previous in list(self.previous.items()):
-            try:
-                if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, previous)
-            except (ValueError, TypeError):
-                pass
+        if threading.current_thread() is threading.main_thread():
+            self._put_back()
 
     def _after_fork_in_child(self) -> None:
+        # the forking thread is the child's main thread
         self.active = False
         self.pending = None
+        self._put_back()
+
+    def _put_back(self) -> None:
         for signum, previous in list(self.previous.items()):
             try:
                 if signal.getsignal(signum) == self._on_signal:
