@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import IncompatibleTargetError
 from .registry import register_adapter
 
 log = logging.getLogger("pitstop")
@@ -160,6 +161,15 @@ class NumpyGeneratorAdapter:
         bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
         bg.state = _mt_from_json(tree)
 
+    def check(self, obj: Any, tree: Any) -> None:
+        bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
+        saved = tree.get("bit_generator") if isinstance(tree, dict) else None
+        if saved != type(bg).__name__:
+            raise IncompatibleTargetError(
+                f"the checkpoint holds the state of a {saved or 'different'} bit generator, "
+                f"the target draws from a {type(bg).__name__}; create it as "
+                f"np.random.Generator(np.random.{saved}()) to resume its stream")
+
 
 class RandomStateAdapter:
     """``np.random.RandomState`` objects (legacy API)."""
@@ -173,6 +183,12 @@ class RandomStateAdapter:
     def apply(self, obj: np.random.RandomState, tree: Any) -> None:
         obj.set_state(_mt_from_json(tree))
 
+    def check(self, obj: np.random.RandomState, tree: Any) -> None:
+        if not isinstance(tree, dict) or tree.get("bit_generator") != "MT19937":
+            raise IncompatibleTargetError(
+                "the checkpoint does not hold a RandomState's state (an MT19937 state); "
+                "restore into the kind of generator that was saved")
+
 
 class PythonRandomAdapter:
     """``random.Random`` instances (the module-level functions are covered by :class:`RNG`)."""
@@ -185,6 +201,13 @@ class PythonRandomAdapter:
 
     def apply(self, obj: random.Random, tree: Any) -> None:
         obj.setstate(tree)
+
+    def check(self, obj: random.Random, tree: Any) -> None:
+        if not (isinstance(tree, (tuple, list)) and len(tree) == 3
+                and isinstance(tree[1], (tuple, list))):
+            raise IncompatibleTargetError(
+                "the checkpoint does not hold a random.Random's state; restore into the kind "
+                "of generator that was saved")
 
 
 for _a in (NumpyGeneratorAdapter(), RandomStateAdapter(), PythonRandomAdapter()):

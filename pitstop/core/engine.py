@@ -37,7 +37,7 @@ from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest
 from .snapshot import Layout, StagingBuffer, StagingPool
 from .storage import Storage
-from .tree import FlatState, NumpyLeaf, encode_value
+from .tree import FlatState, NumpyLeaf
 
 log = logging.getLogger("pitstop")
 
@@ -195,6 +195,7 @@ class SaveHandle:
 class PersistJob:
     step: int
     buffer: StagingBuffer
+    #: value leaves, already encoded for the manifest (see FlatState.encoded)
     values: dict[str, Any]
     structure: Any
     metrics: dict[str, Any]
@@ -489,7 +490,7 @@ class Engine:
                 metrics=job.metrics, directory_id=self.directory_id, created_unix=time.time(),
                 all_finite=all_finite, user_metadata=job.user_metadata,
                 writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid()},
-                values={k: encode_value(v, k) for k, v in job.values.items()},
+                values=job.values,
             )
             for fname, length, entries in results:
                 if fname is not None:

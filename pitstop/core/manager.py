@@ -482,7 +482,7 @@ class CheckpointManager:
             flat = flatten(state, self._resolve)
             if flat.caveats:
                 self._warn_caveats(flat)
-            values = {k: _freeze(v) for k, v in flat.values.items()}
+            values = flat.encoded  # made now: later changes to the state are not saved
             buf = engine.snapshot(flat, step, block=block or not periodic)
         if buf is None:
             stats.skipped = "previous save still persisting (on_busy='skip')"
@@ -492,7 +492,6 @@ class CheckpointManager:
         stats.stall_s = time.perf_counter() - t0
         stats.bytes = buf.layout.total
         stats.arrays = len(flat.arrays)
-        # values are captured by reference; the snapshot must not see later mutations
         job = PersistJob(step=step, buffer=buf, values=values, structure=flat.structure,
                          metrics=clean_metrics, handle=handle, user_metadata=user_meta,
                          check_finite=self.nonfinite_guard)
@@ -602,12 +601,24 @@ class CheckpointManager:
                 continue
             except IncompatibleTargetError as e:
                 if corrupt and any(c.overwritten for c in corrupt):
-                    raise IncompatibleTargetError(
-                        f"{e}\nThe newer, corrupt checkpoint had already overwritten part of "
-                        f"the target ({_overwritten(corrupt)}), and step {s} cannot complete "
-                        "the restore.", missing=e.missing_keys, unexpected=e.unexpected_keys,
-                        mismatched=e.mismatched_keys) from corrupt[-1]
+                    # the target is no longer as it was: not an "unchanged" refusal
+                    why = "\n".join(str(e).splitlines()[1:-1]) or str(e)
+                    err = CorruptCheckpointError(
+                        f"{corrupt[0]}\nThe previous checkpoint, step {s}, cannot complete the "
+                        f"restore:\n{why}", checkpoint=corrupt[0].checkpoint,
+                        key=corrupt[0].key, file=corrupt[0].file)
+                    err.overwritten = sorted({k for c in corrupt for k in c.overwritten})
+                    raise err from e
                 raise
+            leftover = sorted({k for c in corrupt for k in c.overwritten} - set(report.written))
+            if leftover:
+                err = CorruptCheckpointError(
+                    f"restored step {s} after newer checkpoints failed verification, but these "
+                    f"entries of the target still hold bytes of a corrupt checkpoint, as step {s} "
+                    f"has no value for them: {_overwritten_keys(leftover)}. Restore into a "
+                    "state that matches the saved one.", checkpoint=self.directory)
+                err.overwritten = leftover
+                raise err
             if corrupt and any(c.overwritten for c in corrupt):
                 log.warning("pitstop: step %d overwrote everything the corrupt newer "
                             "checkpoint had written", s)
@@ -943,8 +954,12 @@ def _wrap_os(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> A
 
 
 def _overwritten(errors: list[CorruptCheckpointError]) -> str:
-    keys = sorted({k for e in errors for k in e.overwritten})
-    return ", ".join(keys[:10]) + (f" (+{len(keys) - 10} more)" if len(keys) > 10 else "")
+    return _overwritten_keys(sorted({k for e in errors for k in e.overwritten}))
+
+
+def _overwritten_keys(keys: list[str]) -> str:
+    return ", ".join(map(repr, keys[:10])) + (f" (+{len(keys) - 10} more)"
+                                              if len(keys) > 10 else "")
 
 
 @contextlib.contextmanager
@@ -958,17 +973,6 @@ def _no_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def _freeze(v: Any) -> Any:
-    """A deep copy of a JSON-able value, so later mutation of the live state is not saved."""
-    if isinstance(v, dict):
-        return {k: _freeze(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_freeze(x) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_freeze(x) for x in v)
-    return v
 
 
 def _pin_hooks() -> list[Any]:

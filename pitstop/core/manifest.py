@@ -170,7 +170,10 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         files[name] = length
     arrays: dict[str, ArrayEntry] = {}
     for key, e in doc["arrays"].items():
-        entry = ArrayEntry(dtype=e["dtype"], shape=[int(s) for s in e["shape"]], file=e["file"],
+        if not isinstance(e["shape"], list) or not all(
+                type(s) is int for s in e["shape"]):
+            raise ValueError(f"array {key!r}: shape {e['shape']!r} is not a list of integers")
+        entry = ArrayEntry(dtype=e["dtype"], shape=list(e["shape"]), file=e["file"],
                            offset=int(e["offset"]), length=int(e["length"]), hash=str(e["hash"]),
                            codec=e.get("codec", "none"))
         if not _CODEC.match(str(entry.codec)):
@@ -191,6 +194,12 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
                 f"{where}: array {key!r} has {entry.length} bytes, its shape and dtype need "
                 f"{math.prod(entry.shape) * dt.itemsize}", checkpoint=where, key=key)
         arrays[key] = entry
+    values = doc.get("values", {})
+    if not isinstance(values, dict):
+        raise ValueError("values is not an object")
+    both = sorted(set(values) & set(arrays))
+    if both:
+        raise ValueError(f"{both[:3]} are both arrays and values")
     step = doc["step"]
     if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError(f"step {step!r} is not an integer")
@@ -198,7 +207,7 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
     if doc["hash_algorithm"] not in ALGORITHMS:
         raise ValueError(f"unknown hash_algorithm {doc['hash_algorithm']!r}")
     return Manifest(
-        step=step, arrays=arrays, values=dict(doc.get("values", {})),
+        step=step, arrays=arrays, values=dict(values),
         structure=doc.get("structure"), files=files,
         hash_algorithm=str(doc["hash_algorithm"]), metrics=dict(decode_value(doc.get("metrics") or {})),
         directory_id=doc.get("directory_id"), created_unix=float(doc.get("created_unix", 0.0)),

@@ -31,7 +31,6 @@ from typing import Any
 
 from .dtypes import decode_dtype, encode_dtype
 from .snapshot import Layout, StagingBuffer
-from .tree import encode_value
 
 log = logging.getLogger("pitstop")
 
@@ -95,7 +94,7 @@ class MemoryTier:
             "directory": self.directory, "directory_id": self.directory_id,
             "step": job.step, "committed": False,
             "hashes": hashes, "hash_algorithm": algorithm,
-            "values": {k: encode_value(v, k) for k, v in job.values.items()},
+            "values": job.values,
             "structure": job.structure, "metrics": job.metrics,
             "user_metadata": job.user_metadata, "check_finite": job.check_finite,
         }

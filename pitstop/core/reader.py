@@ -15,6 +15,7 @@ from .dtypes import decode_dtype
 from .errors import CheckpointError, CorruptCheckpointError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
+from .names import parse_step_name
 from .restore import RestoredStep, RestorePlan, RestoreReport
 from .storage.local import MANIFEST, pread_full
 from .tree import FlatState, decode_value, join, unflatten
@@ -55,6 +56,13 @@ class CheckpointReader:
         except OSError as e:
             raise _os_error(self.where, MANIFEST, e) from None
         self.manifest: Manifest = parse(data, self.where)
+        named = parse_step_name(name)
+        if named is not None and named != self.manifest.step:
+            # a checkpoint renamed or copied in under another step: never restore it as that
+            raise CorruptCheckpointError(
+                f"{self.where}: its manifest is of step {self.manifest.step}, but the "
+                f"directory is named for step {named} (renamed, swapped or copied in); move "
+                "it to the name of its own step", checkpoint=self.where, file=MANIFEST)
 
     # ------------------------------------------------------------------ checks
     def check_files(self) -> None:
@@ -134,14 +142,25 @@ class CheckpointReader:
         leaves: dict[str, Any] = {}
 
         def load_one(item: tuple[str, ArrayEntry]) -> None:
-            leaves[item[0]] = self.read_array(item[0], item[1])
+            key, entry = item
+            try:
+                leaves[key] = self.read_array(key, entry)
+            except (ValueError, MemoryError, OverflowError) as e:  # e.g. an absurd shape
+                raise CorruptCheckpointError(
+                    f"{self.where}: array {key!r} cannot be made ({type(e).__name__}: {e})",
+                    checkpoint=self.where, key=key, file=MANIFEST) from None
 
         self.per_file(sorted(m.arrays.items(), key=lambda kv: (kv[1].file, kv[1].offset)),
                        load_one)
-        leaves.update({k: decode_value(v) for k, v in m.values.items()})
-        if m.structure is None:
-            return leaves
-        return unflatten(m.structure, leaves)
+        try:
+            leaves.update({k: decode_value(v) for k, v in m.values.items()})
+            if m.structure is None:
+                return leaves
+            return unflatten(m.structure, leaves)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise CorruptCheckpointError(
+                f"{self.where}: its structure or values in manifest.json are malformed "
+                f"({type(e).__name__}: {e})", checkpoint=self.where, file=MANIFEST) from None
 
     def restore_into(self, flat: FlatState, strict: bool = True) -> RestoreReport:
         """Put this checkpoint back into the live objects of ``flat``: checked against the

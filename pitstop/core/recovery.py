@@ -19,7 +19,6 @@ from .manifest import ArrayEntry, Manifest
 from .memtier import MemoryTier
 from .reader import CheckpointReader
 from .snapshot import StagingBuffer, StagingPool
-from .tree import decode_value
 
 log = logging.getLogger("pitstop")
 
@@ -71,8 +70,7 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
         keep |= {buf_path, buf_path[: -len(".buf")] + ".json"}
         handle = SaveHandle(step, SaveStats(step=step, bytes=buf.layout.total,
                                             arrays=len(buf.layout.keys)))
-        values = {k: decode_value(v) for k, v in meta["values"].items()}
-        job = PersistJob(step=step, buffer=buf, values=values, structure=meta["structure"],
+        job = PersistJob(step=step, buffer=buf, values=meta["values"], structure=meta["structure"],
                          metrics=meta.get("metrics") or {}, handle=handle,
                          user_metadata=meta.get("user_metadata") or {}, hashes=hashes,
                          check_finite=bool(meta.get("check_finite")))

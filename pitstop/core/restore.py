@@ -4,12 +4,15 @@ A restore runs in four phases, so that a restore refused for any reason that can
 without the data leaves the target exactly as it was:
 
 1. **plan** (manifest only): match every key of the target against the checkpoint (arrays by
-   shape and dtype, values by kind), decide which subtrees are rebuilt from the checkpoint
-   (an empty optimizer state, an adapter with ``replace_on_mismatch``), and refuse a target
-   whose root cannot be changed in place.
-2. **check** (still no data): every array leaf that will be written says whether it can be
-   (``check_restorable``: read-only, overlapping memory) and every adapter whose object is
-   restored checks the checkpoint's subtree (``check``: parameter groups, dataset length...).
+   shape and dtype, values by kind), decode the checkpoint's values, decide which subtrees
+   are rebuilt from the checkpoint (an empty container that has filled since, an adapter
+   with ``replace_on_mismatch``), and refuse a target whose shape differs at the root.
+2. **check** (still no data written): every array leaf that will be written says whether
+   it can be (``check_restorable``: read-only, elements sharing memory), no two leaves share
+   memory unless the checkpoint holds the same bytes for both (tied weights), every entry
+   that must be replaced sits in a container that can take it, and every adapter whose
+   object is restored checks the checkpoint's subtree (``check``: parameter groups,
+   dataset length, generator kind...).
 3. **data**: fresh arrays (rebuilt subtrees, numpy scalars) are read first, then every other
    array streams straight into its live buffer, each verified against its hash. Corruption
    found here raises :class:`CorruptCheckpointError` listing what was already overwritten.
@@ -31,7 +34,7 @@ import numpy as np
 from .dtypes import decode_dtype
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from .manifest import ArrayEntry, Manifest
-from .tree import ArraySpec, FlatState, decode_value, split, unflatten
+from .tree import ArraySpec, FlatState, NumpyLeaf, decode_value, encode_value, split, unflatten
 
 if TYPE_CHECKING:
     from .reader import CheckpointReader
@@ -48,6 +51,8 @@ class RestoreReport:
     mismatched_keys: list[str] = field(default_factory=list)
     #: mismatched key -> what differs (for the error message)
     details: dict[str, str] = field(default_factory=dict)
+    #: array entries of the target that the restore wrote
+    written: list[str] = field(default_factory=list)
 
 
 class RestoredStep(int):
@@ -76,7 +81,7 @@ class _Keys:
 
     def under(self, prefix: str) -> list[str]:
         """Keys equal to ``prefix`` or below it (every key for the root, ``""``)."""
-        if not prefix or prefix == ROOT:
+        if not prefix:
             return list(self.keys)
         lo = bisect.bisect_left(self.keys, prefix + "/")
         hi = bisect.bisect_left(self.keys, prefix + "0")  # "0" follows "/" in code points
@@ -92,6 +97,18 @@ def _is_under(key: str, prefix: str) -> bool:
 
 def _root_key(path: str) -> str:
     return path or ROOT
+
+
+def _kind(structure: Any) -> str:
+    """What a recorded structure node is, through adapter wrappers: leaf, dict, list, tuple."""
+    while isinstance(structure, dict) and "$o" in structure:
+        structure = structure["$o"]
+    if not isinstance(structure, dict):
+        return "leaf"
+    for tag, kind in (("$d", "dict"), ("$l", "list"), ("$t", "tuple")):
+        if tag in structure:
+            return kind
+    return "leaf"
 
 
 # ---------------------------------------------------------------------- the plan
@@ -117,7 +134,13 @@ class RestorePlan:
         self.resized: set[str] = set()
         #: numpy scalars read (as 0-d arrays), put back as scalars in the apply phase
         self.scalars: dict[str, np.ndarray] = {}
+        #: the checkpoint's values the target takes, decoded in the plan phase
+        self.decoded: dict[str, Any] = {}
+        #: id(tuple) -> how to build one of its type from items ("make", "iter", "args")
+        self.tuple_style: dict[int, str] = {}
         self.ck = _Keys(())
+        #: the target is matched to an older checkpoint's single root value
+        self.migrated = False
         #: target entries already written (for the message when corruption stops a restore)
         self.written: list[str] = []
         self._written_lock = threading.Lock()
@@ -125,31 +148,41 @@ class RestorePlan:
     # ------------------------------------------------------------------ 1. plan
     def plan(self) -> None:
         m, flat = self.m, self.flat
+        self._migrate_value_root()
         ck = self.ck = _Keys([*m.arrays, *m.values])
         target = _Keys([*flat.arrays, *flat.values])
+        self._check_root_kind()
         self._choose_replaced(ck, target)
         replaced = list(self.replaced)
 
         def in_replaced(key: str) -> bool:
             return bool(replaced) and any(_is_under(key, p) for p in replaced)
 
-        # a target value whose path prefixes checkpoint entries (e.g. an optimizer's empty
-        # state before its first step) is rebuilt whole from the checkpoint
+        r = self.report
         for key in flat.values:
-            if key not in ck.set and not in_replaced(key) and ck.under(key):
+            if in_replaced(key) or key in ck.set or not ck.under(key):
+                continue
+            live = self._live(key)
+            if isinstance(live, (Mapping, list, tuple)) and not live:
+                # an empty container that has filled since (a buffer, an optimizer's state
+                # before its first step): rebuilt whole from the checkpoint
                 self.rebuilt[key] = None  # read in the data phase
+            else:
+                self._mismatch(key, "a value in the target, a subtree with arrays in the "
+                                    "checkpoint")
         covered = {k for p in self.rebuilt for k in ck.under(p)}
         for p in replaced:
             covered.update(ck.under(p))
+        for key in self.bad:
+            covered.update(ck.under(key))
 
-        r = self.report
         for key, leaf in flat.arrays.items():
             if in_replaced(key):
                 continue
             e = m.arrays.get(key)
             if e is None:
                 if key in m.values:
-                    self._mismatch(key, "array in the target, value in the checkpoint")
+                    self._mismatch(key, "an array in the target, a value in the checkpoint")
                 else:
                     r.missing_keys.append(key)
                     self.bad.add(key)
@@ -162,24 +195,55 @@ class RestorePlan:
                 self._mismatch(key, f"checkpoint {dtype}{list(e.shape)}, "
                                     f"target {leaf.dtype}{list(leaf.shape)}")
         for key in flat.values:
-            if in_replaced(key) or key in self.rebuilt:
+            if in_replaced(key) or key in self.rebuilt or key in self.bad:
                 continue
             if key in m.arrays and key not in m.values:
-                self._mismatch(key, "value in the target, array in the checkpoint")
+                self._mismatch(key, "a value in the target, an array in the checkpoint")
             elif key not in m.values:
                 r.missing_keys.append(key)
                 self.bad.add(key)
         r.unexpected_keys = sorted(k for k in ck.keys if k not in target.set and k not in covered)
-        self._check_root()
+        self._decode_values()
         if self.strict and (r.missing_keys or r.unexpected_keys or r.mismatched_keys):
             raise IncompatibleTargetError(
                 describe_mismatch(self.where, r, target, ck), missing=r.missing_keys,
                 unexpected=r.unexpected_keys, mismatched=r.mismatched_keys)
 
+    def _live(self, key: str) -> Any:
+        parent = self.flat.parents.get(key)
+        return self.flat.root if parent is None else parent[0][parent[1]]
+
     def _mismatch(self, key: str, what: str) -> None:
-        self.report.mismatched_keys.append(key)
+        if key not in self.report.details:
+            self.report.mismatched_keys.append(key)
         self.report.details[key] = what
         self.bad.add(key)
+
+    def _migrate_value_root(self) -> None:
+        """Checkpoints written before the root container was always walked keep a state of
+        plain values as one value at ``<root>``: match a target of plain values to it whole."""
+        m, flat = self.m, self.flat
+        if (m.structure == 0 and ROOT in m.values and ROOT not in flat.values
+                and not flat.arrays and not flat.adapters
+                and isinstance(flat.root, (MutableMapping, list))):
+            flat.values = {ROOT: flat.root}
+            flat.parents = {}
+            self.migrated = True
+
+    def _check_root_kind(self) -> None:
+        """A checkpoint of a dict restores into a dict: a root of another kind (an array
+        into a dict, a list into a tuple) is refused before anything else."""
+        m, flat = self.m, self.flat
+        if m.structure is None or flat.structure is None or self.migrated:
+            return
+        theirs, mine = _kind(m.structure), _kind(flat.structure)
+        if theirs == mine or {theirs, mine} == {"list", "tuple"}:
+            return
+        raise IncompatibleTargetError(
+            f"cannot restore {self.where} into this state (nothing was changed): the "
+            f"checkpoint's state is a {theirs}, the target is a {mine} "
+            f"({type(flat.root).__name__}). Restore into the kind of object that was saved, "
+            "or use load() to get a new one.", mismatched=[ROOT])
 
     def _choose_replaced(self, ck: _Keys, target: _Keys) -> None:
         """Adapters that restore like ``load_state_dict`` (replace) and whose subtree in the
@@ -190,8 +254,7 @@ class RestorePlan:
                 continue
             if any(_is_under(path, p) for p in self.replaced):
                 continue
-            mine = target.under(path) if path else target.keys
-            theirs = ck.under(path) if path else ck.keys
+            mine, theirs = target.under(path), ck.under(path)
             if not theirs:
                 continue  # nothing of it in the checkpoint: reported as missing
             same = set(mine) == set(theirs)
@@ -207,44 +270,18 @@ class RestorePlan:
             if not same:
                 self.replaced[path] = None  # read in the data phase
 
-    def _check_root(self) -> None:
-        """A value or numpy scalar that only an immutable root could hold cannot be put back:
-        refuse before writing anything (a value equal to the checkpoint's is fine)."""
-        flat, m = self.flat, self.m
-        root = flat.root
-        what = None
-        if ROOT in flat.values and ROOT not in flat.parents:
-            if not isinstance(root, (MutableMapping, list, bytearray)) and ROOT in m.values \
-                    and not _same(root, decode_value(m.values[ROOT])):
-                what = f"a {type(root).__name__} (immutable) whose value changes"
-        elif ROOT in flat.scalars and ROOT not in self.bad:
-            what = "a numpy scalar (immutable)"
-        else:
-            for key, (container, _k) in [*flat.parents.items(), *flat.scalars.items()]:
-                if key in self.bad or not self._chained_to_root(container):
-                    continue
-                if key in flat.scalars or (key in m.values and not _same(
-                        container[_k], decode_value(m.values[key]))):
-                    what = f"a {type(root).__name__} (immutable) and its entry {key!r} changes"
-                    break
-        if what is not None:
-            raise IncompatibleTargetError(
-                f"cannot restore {self.where} into this state: the state is {what}, so it "
-                "cannot be restored in place. Pass a dict or a list (e.g. {'state': state}), "
-                "or use load() to get a new object.")
-
-    def _chained_to_root(self, container: Any) -> bool:
-        """True when ``container`` is a tuple whose ancestors are tuples up to the root."""
-        tuples = self.flat.tuples
-        while isinstance(container, tuple):
-            info = tuples.get(id(container))
-            if info is None:
-                return False
-            _path, parent, _key = info
-            if parent is None:
-                return True
-            container = parent
-        return False
+    def _decode_values(self) -> None:
+        """Every checkpoint value the target takes, decoded now: a malformed one is
+        corruption, found before anything is written."""
+        for key in self.flat.values:
+            if key in self.m.values and key not in self.bad:
+                try:
+                    self.decoded[key] = decode_value(self.m.values[key])
+                except Exception as e:  # noqa: BLE001 - whatever a malformed value raises
+                    raise CorruptCheckpointError(
+                        f"{self.where}: value {key!r} in manifest.json is malformed "
+                        f"({type(e).__name__}: {e})", checkpoint=self.where,
+                        key=key, file="manifest.json") from None
 
     # ------------------------------------------------------------------ 2. check
     def check(self) -> None:
@@ -252,35 +289,44 @@ class RestorePlan:
         flat, m = self.flat, self.m
         problems: list[str] = []
         refused: list[str] = []
+
+        def refuse(key: str, text: str) -> None:
+            if self.strict:
+                problems.append(f"{_q(key)}: {text}")
+                refused.append(key)
+            else:
+                self._mismatch(key, text)
+
         replaced = list(self.replaced)
+        writes: list[str] = []
         for key, leaf in flat.arrays.items():
             if key in self.bad or key not in m.arrays or key in flat.scalars \
                     or (replaced and any(_is_under(key, p) for p in replaced)):
                 continue
+            writes.append(key)
             check = getattr(leaf, "check_restorable", None)
             if check is None:
                 continue
             try:
                 check()
             except CheckpointError as e:
-                if self.strict:
-                    problems.append(f"{key}: {e}")
-                    refused.append(key)
-                else:
-                    self._mismatch(key, str(e))
+                refuse(key, str(e))
+        for a, b, why in self._shared_memory(writes):
+            refuse(b, f"shares memory with {_q(a)}, {why}")
+        for key, text in self._unreplaceable():
+            refuse(key, text)
         for path, node in flat.adapters:
             check = getattr(node.adapter, "check", None)
             if check is None or any(_is_under(path, p) for p in self.skipped_adapters):
                 continue
-            key = _root_key(path)
-            if not self._present(path):
+            if not self.ck.under(path):
                 continue
+            key = _root_key(path)
             try:
                 check(node.obj, self.subtree(path, _spec))
             except Exception as e:  # noqa: BLE001 - an adapter's refusal, whatever it raised
-                text = f"{key} ({type(node.obj).__name__}): {e}"
                 if self.strict:
-                    problems.append(text)
+                    problems.append(f"{_q(key)} ({type(node.obj).__name__}): {e}")
                     refused.append(key)
                 else:
                     self.skipped_adapters.add(path)
@@ -290,8 +336,107 @@ class RestorePlan:
                 f"cannot restore {self.where} into this state (nothing was changed):\n  "
                 + "\n  ".join(problems), mismatched=refused)
 
-    def _present(self, path: str) -> bool:
-        return bool(self.ck.under(path)) if path else bool(self.ck.keys)
+    def _shared_memory(self, keys: list[str]) -> list[tuple[str, str, str]]:
+        """Pairs of leaves to be written whose memory overlaps. Allowed only where both are
+        the same view and the checkpoint holds the same bytes for both (tied weights)."""
+        arrays = self.flat.arrays
+        owners: set[int] = set()
+        for key in keys:  # the common case, cheaply: numpy arrays that own their memory
+            a = getattr(arrays[key], "array", None)
+            if type(arrays[key]) is not NumpyLeaf or a is None or a.base is not None or \
+                    id(a) in owners:
+                break
+            owners.add(id(a))
+        else:
+            return []
+        spans = []
+        for key in keys:
+            span = getattr(arrays[key], "memory_span", None)
+            where = span() if span is not None else None
+            if where is not None:
+                spans.append((*where, key))
+        spans.sort(key=lambda s: (s[0], s[1]))
+        out: list[tuple[str, str, str]] = []
+        open_: list[tuple[Any, int, int, Any, str]] = []
+        for space, lo, hi, view, key in spans:
+            open_ = [s for s in open_ if s[0] == space and s[2] > lo]
+            for _space, _lo, _hi, other_view, other in open_:
+                ea, eb = self.m.arrays[other], self.m.arrays[key]
+                if other_view == view and (ea.hash, ea.codec, ea.dtype, ea.shape) == \
+                        (eb.hash, eb.codec, eb.dtype, eb.shape):
+                    continue  # tied: the same memory gets the same bytes twice
+                out.append((other, key, "and the checkpoint holds different values for them"
+                            if other_view == view else "partly (overlapping views)"))
+            open_.append((space, lo, hi, view, key))
+        return out
+
+    def _unreplaceable(self) -> list[tuple[str, str]]:
+        """Entries that change but sit where nothing can be put: a read-only mapping, a
+        tuple type that cannot be rebuilt, or an immutable root."""
+        flat, out = self.flat, []
+        for key, (container, k) in [*flat.parents.items(), *flat.scalars.items()]:
+            if key in self.bad or container is None:
+                continue
+            if key in flat.values and key not in self.rebuilt:
+                if key not in self.decoded:
+                    continue
+                problem = _merge_problem(container[k], self.decoded[key])
+                if problem is not None:
+                    out.append((key, problem))
+                    continue
+                if not _changes(container[k], self.decoded[key]):
+                    continue
+            elif key in flat.scalars and not self._scalar_changes(key, container[k]):
+                continue
+            why = self._cannot_take(container, set())
+            if why is not None:
+                out.append((key, why))
+        if ROOT in flat.values and ROOT not in flat.parents and ROOT not in self.bad and \
+                ROOT in self.decoded and _changes(flat.root, self.decoded[ROOT]) and \
+                not isinstance(flat.root, (MutableMapping, list, bytearray)):
+            out.append((ROOT, f"the state itself is a {type(flat.root).__name__}, which "
+                              "cannot change in place; pass it inside a dict or a list, or "
+                              "use load()"))
+        if ROOT in flat.scalars and flat.scalars[ROOT][0] is None and ROOT not in self.bad:
+            out.append((ROOT, "the state itself is a numpy scalar, which cannot change in "
+                              "place; pass it inside a dict or a list, or use load()"))
+        return out
+
+    def _cannot_take(self, container: Any, seen: set[int]) -> str | None:
+        """Why a new entry cannot be put into ``container`` (None when it can)."""
+        if isinstance(container, tuple):
+            info = self.flat.tuples.get(id(container))
+            if info is None or id(container) in seen:
+                return "it sits in a tuple pitstop cannot rebuild"
+            seen.add(id(container))
+            style = _tuple_style(container)
+            if style is None:
+                return (f"it sits in a {type(container).__name__}, a tuple type that cannot be "
+                        "rebuilt from its items; use a namedtuple, a tuple or a list")
+            self.tuple_style[id(container)] = style
+            _path, parent, _key = info
+            if parent is None:
+                return (f"it sits in the state's root {type(container).__name__}, which "
+                        "cannot change in place; pass the state inside a dict or a list, or "
+                        "use load()")
+            return self._cannot_take(parent, seen)
+        if isinstance(container, (MutableMapping, list)):
+            return None
+        return (f"it sits in a {type(container).__name__}, which cannot be changed in place; "
+                "use a dict or a list")
+
+    def _scalar_changes(self, key: str, live: Any) -> bool:
+        """Whether a numpy scalar changes: read now (a tiny fresh read, nothing written)
+        only where it matters, i.e. where it could not be put back."""
+        container = self.flat.scalars[key][0]
+        if self._cannot_take(container, set()) is None:
+            return True  # it can be put back: no need to know
+        try:
+            new = self.reader.read_array(key, self.m.arrays[key])
+        except CheckpointError:
+            return True
+        return bool(np.asarray(live).tobytes() != new.tobytes()) or new.dtype != np.asarray(
+            live).dtype
 
     # ------------------------------------------------------------------ 3. data
     def read(self) -> None:
@@ -303,15 +448,16 @@ class RestorePlan:
             self.rebuilt[p] = self.subtree(p, reader.read_array)
         for p in self.replaced:
             self.replaced[p] = self.subtree(p, reader.read_array)
-        scalars = [k for k in flat.scalars if k in m.arrays and k not in self._skip()]
-        for key in scalars:
+        skip = self._skip()
+        for key in flat.scalars:
+            if key not in m.arrays or key in skip:
+                continue
             if key in self.resized:
                 self.scalars[key] = reader.read_array(key, m.arrays[key])
             else:
                 leaf = flat.arrays[key]
                 self.scalars[key] = reader.read_array(
                     key, m.arrays[key], leaf.array)  # type: ignore[attr-defined]
-        skip = self._skip()
         todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
                 if k in m.arrays and k not in skip and k not in flat.scalars]
         todo.sort(key=lambda t: (t[2].file, t[2].offset))
@@ -323,10 +469,17 @@ class RestorePlan:
                 if view is not None:
                     reader.read_array(key, entry, view)
                 else:
-                    leaf.assign(reader.read_array(key, entry))
-            finally:
+                    value = reader.read_array(key, entry)
+                    with self._written_lock:
+                        self.written.append(key)
+                    leaf.assign(value)
+                    return
+            except CorruptCheckpointError:
                 with self._written_lock:
-                    self.written.append(key)
+                    self.written.append(key)  # partly written
+                raise
+            with self._written_lock:
+                self.written.append(key)
 
         try:
             reader.per_file(todo, restore_one)
@@ -334,10 +487,11 @@ class RestorePlan:
             e.overwritten = sorted(self.written)
             if self.written:
                 n = len(e.overwritten)
-                some = ", ".join(e.overwritten[:10]) + (f" (+{n - 10} more)" if n > 10 else "")
+                some = _some([_q(k) for k in e.overwritten], 10)
                 e.args = (f"{e.args[0]}. The restore had already overwritten {n} entr"
                           f"{'y' if n == 1 else 'ies'} of the target: {some}",)
             raise
+        self.report.written = sorted(self.written)
 
     def _skip(self) -> set[str]:
         skip = set(self.bad)
@@ -350,7 +504,7 @@ class RestorePlan:
         m = self.m
         key = _root_key(prefix)
         if key in m.values:
-            return decode_value(m.values[key])
+            return self.decoded[key] if key in self.decoded else _decode(m, key, self.where)
         if key in m.arrays:
             return leaf(key, m.arrays[key])
         node = m.structure
@@ -359,19 +513,24 @@ class RestorePlan:
             if node is None:
                 break
         leaves: dict[str, Any] = {}
-        for k, e in m.arrays.items():
-            if _is_under(k, prefix):
-                leaves[k] = leaf(k, e)
-        for k, v in m.values.items():
-            if _is_under(k, prefix):
-                leaves[k] = decode_value(v)
+        for k in self.ck.under(prefix):
+            if k in m.arrays:
+                leaves[k] = leaf(k, m.arrays[k])
+            elif k in m.values:
+                leaves[k] = _decode(m, k, self.where)
         if node is None:
             return leaves
-        return unflatten(node, leaves, prefix)
+        try:
+            return unflatten(node, leaves, prefix)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CorruptCheckpointError(
+                f"{self.where}: the structure of {prefix or ROOT!r} in manifest.json does not "
+                f"match its entries ({type(e).__name__}: {e})", checkpoint=self.where,
+                key=prefix or ROOT, file="manifest.json") from None
 
     # ------------------------------------------------------------------ 4. apply
     def apply(self) -> None:
-        flat, m = self.flat, self.m
+        flat = self.flat
         skip = self._skip()
         pending: dict[int, dict[Any, Any]] = {}
 
@@ -382,38 +541,44 @@ class RestorePlan:
                 container[key] = new
 
         aside = [*self.replaced, *self.skipped_adapters]
-        for key in flat.values:
-            if key in skip:
-                continue
-            if aside and any(_is_under(key, p) for p in aside):
-                continue
-            if key in self.rebuilt:
-                new = self.rebuilt[key]
-            elif key in m.values:
-                new = decode_value(m.values[key])
-            else:
-                continue
-            parent = flat.parents.get(key)
-            old = flat.root if parent is None else parent[0][parent[1]]
-            merged = merge(old, new)
-            if merged is not old:
-                if parent is None:
-                    raise AssertionError("the plan refuses a root that cannot change in place")
-                put(parent[0], parent[1], merged)
-        for key, (container, k) in flat.scalars.items():
-            if key not in self.scalars or container is None:
-                continue
-            put(container, k, self.scalars[key][()])
-        # rebuild the tuples that changed, innermost first, each put back into its parent
-        while pending:
-            tid = max(pending, key=lambda t: len(flat.tuples[t][0]))
-            changes = pending.pop(tid)
-            path, parent, key = flat.tuples[tid]
-            old = parent[key] if parent is not None else flat.root
-            new = _rebuild_tuple(old, [changes.get(i, x) for i, x in enumerate(old)])
-            if parent is None:
-                raise AssertionError("the plan refuses a root tuple whose content changes")
-            put(parent, key, new)
+        applied: list[str] = []
+        try:
+            for key in flat.values:
+                if key in skip or (aside and any(_is_under(key, p) for p in aside)):
+                    continue
+                if key in self.rebuilt:
+                    new = self.rebuilt[key]
+                elif key in self.decoded:
+                    new = self.decoded[key]
+                else:
+                    continue
+                parent = flat.parents.get(key)
+                old = flat.root if parent is None else parent[0][parent[1]]
+                merged = merge(old, new)
+                if merged is not old:
+                    assert parent is not None, "the check phase refuses an immutable root"
+                    put(parent[0], parent[1], merged)
+                applied.append(key)
+            for key, (container, k) in flat.scalars.items():
+                if key not in self.scalars or container is None:
+                    continue
+                new_scalar = self.scalars[key][()]
+                if not _same_scalar(container[k], new_scalar):
+                    put(container, k, new_scalar)
+                applied.append(key)
+            # rebuild the tuples that changed, innermost first, each put into its parent
+            while pending:
+                tid = max(pending, key=lambda t: len(flat.tuples[t][0]))
+                changes = pending.pop(tid)
+                _path, parent, key = flat.tuples[tid]
+                old = parent[key] if parent is not None else flat.root
+                items = [changes.get(i, x) for i, x in enumerate(old)]
+                new = _rebuild_tuple(old, items, self.tuple_style.get(tid))
+                assert parent is not None, "the check phase refuses an immutable root tuple"
+                put(parent, key, new)
+        except Exception as e:  # noqa: BLE001 - reported with what was already restored
+            raise self._partly(f"putting the values back failed ({type(e).__name__}: {e})",
+                               applied, []) from e
         done: list[str] = []
         for path, node in flat.adapters:
             if path in self.skipped_adapters or any(
@@ -422,19 +587,39 @@ class RestorePlan:
             tree = self.replaced[path] if path in self.replaced else node.tree
             try:
                 node.adapter.apply(node.obj, tree)
-            except Exception as e:  # noqa: BLE001 - reported with where it happened
+            except Exception as e:  # noqa: BLE001 - reported with what was already restored
                 key = _root_key(path)
-                raise IncompatibleTargetError(
-                    f"cannot restore {self.where}: putting back {key} "
-                    f"({type(node.obj).__name__}) failed: {type(e).__name__}: {e}. Its arrays "
-                    f"and {len(done)} other object(s) were already restored"
-                    f"{': ' + ', '.join(done[:10]) if done else ''}; restore again into a "
-                    "matching state, or rebuild the objects.", mismatched=[key]) from e
+                raise self._partly(
+                    f"putting back {_q(key)} ({type(node.obj).__name__}) failed: "
+                    f"{type(e).__name__}: {e}", applied, done) from e
             done.append(_root_key(path))
+
+    def _partly(self, what: str, values: list[str], objects: list[str]) -> CheckpointError:
+        """The error for a failure after data was written: it says what was restored."""
+        written = sorted(self.written)
+        parts = [f"{len(written)} array(s)"]
+        if values:
+            parts.append(f"{len(values)} value(s)")
+        if objects:
+            parts.append("the objects " + _some([_q(o) for o in objects], 10))
+        err = CheckpointError(
+            f"cannot restore {self.where}: {what}. The target was partly restored already "
+            f"({', '.join(parts)}); restore again into a state that matches, or rebuild it.")
+        err.overwritten = written  # type: ignore[attr-defined]
+        return err
 
 
 def _spec(key: str, entry: ArrayEntry) -> ArraySpec:
     return ArraySpec(tuple(entry.shape), decode_dtype(entry.dtype))
+
+
+def _decode(m: Manifest, key: str, where: str) -> Any:
+    try:
+        return decode_value(m.values[key])
+    except Exception as e:  # noqa: BLE001 - whatever a malformed value raises
+        raise CorruptCheckpointError(
+            f"{where}: value {key!r} in manifest.json is malformed ({type(e).__name__}: {e})",
+            checkpoint=where, key=key, file="manifest.json") from None
 
 
 def _child(node: Any, comp: str) -> Any:
@@ -455,14 +640,26 @@ def _child(node: Any, comp: str) -> Any:
 
 
 # ---------------------------------------------------------------------- merging values
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
 def merge(live: Any, new: Any) -> Any:
     """Put the restored value ``new`` where ``live`` is: mutable containers are updated in
     place and keep their type (dict, OrderedDict, defaultdict, list, bytearray), nested ones
-    too, so aliases the program holds stay the restored objects; tuples (namedtuples too) are
-    rebuilt as their own type. Returns the object to keep in the parent: ``live`` itself
-    when it was updated in place."""
+    too, so aliases the program holds stay the restored objects; a defaultdict's new entries
+    are made by its factory; tuples (namedtuples too) are rebuilt as their own type; an
+    equal plain value stays the object it is. Returns what the parent must hold: ``live``
+    itself when nothing had to be replaced."""
     if isinstance(live, MutableMapping) and isinstance(new, Mapping):
-        items = [(k, merge(live[k], v) if k in live else v) for k, v in new.items()]
+        factory = getattr(live, "default_factory", None)
+        items = []
+        for k, v in new.items():
+            if k in live:
+                items.append((k, merge(live[k], v)))
+            elif factory is not None and isinstance(v, (Mapping, list)):
+                items.append((k, merge(factory(), v)))
+            else:
+                items.append((k, v))
         live.clear()
         live.update(items)
         return live
@@ -476,31 +673,90 @@ def merge(live: Any, new: Any) -> Any:
         items = [merge(x, v) for x, v in zip(live, new, strict=True)]
         if all(a is b for a, b in zip(items, live, strict=True)):
             return live
-        return _rebuild_tuple(live, items)
+        return _rebuild_tuple(live, items, _tuple_style(live))
+    if type(live) is type(new) and isinstance(live, _PLAIN) and not _changes(live, new):
+        return live
     return new
 
 
-def _rebuild_tuple(like: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+def _merge_problem(live: Any, new: Any) -> str | None:
+    """Why :func:`merge` could not put ``new`` where ``live`` is (a tuple type that cannot
+    be rebuilt from its items, deep inside a value), or None; checked before any write."""
+    if isinstance(live, MutableMapping) and isinstance(new, Mapping):
+        for k, v in new.items():
+            if k in live:
+                why = _merge_problem(live[k], v)
+                if why is not None:
+                    return why
+        return None
+    if isinstance(live, list) and isinstance(new, (list, tuple)):
+        for x, v in zip(live, new, strict=False):
+            why = _merge_problem(x, v)
+            if why is not None:
+                return why
+        return None
+    if isinstance(live, tuple) and isinstance(new, (tuple, list)) and len(live) == len(new):
+        for x, v in zip(live, new, strict=True):
+            why = _merge_problem(x, v)
+            if why is not None:
+                return why
+        if _changes(live, new) and _tuple_style(live) is None:
+            return (f"it holds a {type(live).__name__}, a tuple type that cannot be rebuilt "
+                    "from its items; use a namedtuple, a tuple or a list")
+    return None
+
+
+def _changes(live: Any, new: Any) -> bool:
+    """True when putting ``new`` where ``live`` is would change something."""
+    if isinstance(live, (MutableMapping, list, bytearray)) and \
+            isinstance(new, (Mapping, list, tuple, bytes, bytearray)):
+        return False  # merged in place: the container itself stays
+    if isinstance(live, tuple) and isinstance(new, (tuple, list)):
+        return len(live) != len(new) or any(
+            _changes(a, b) for a, b in zip(live, new, strict=True))
+    if type(live) is not type(new):
+        return True
+    try:
+        return bool(encode_value(live) != encode_value(new))
+    except CheckpointError:
+        return True
+
+
+def _same_scalar(live: Any, new: Any) -> bool:
+    return type(live) is type(new) and np.asarray(live).tobytes() == np.asarray(new).tobytes()
+
+
+def _tuple_style(like: tuple[Any, ...]) -> str | None:
+    """How a tuple of ``like``'s type is built from items, found by rebuilding ``like``
+    itself (no data needed): None when no known way gives an equal tuple."""
+    cls = type(like)
+    if cls is tuple:
+        return "iter"
+    if callable(getattr(cls, "_make", None)):
+        return "make"
+    for style in ("iter", "args"):
+        try:
+            again = cls(list(like)) if style == "iter" else cls(*like)
+        except Exception:  # noqa: BLE001 - any constructor that does not fit
+            continue
+        if type(again) is cls and tuple(again) == tuple(like):
+            return style
+    return None
+
+
+def _rebuild_tuple(like: tuple[Any, ...], items: list[Any], style: str | None
+                   ) -> tuple[Any, ...]:
     """A tuple of ``like``'s own type (namedtuples included) holding ``items``."""
     cls = type(like)
     if cls is tuple:
         return tuple(items)
-    make = getattr(cls, "_make", None)
-    if make is not None:
-        return make(items)  # type: ignore[no-any-return]
-    try:
-        return cls(items)  # type: ignore[no-any-return]
-    except TypeError:
-        return tuple(items)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """True when a live value equals a restored one (NaN equals NaN)."""
-    from .tree import encode_value
-    try:
-        return bool(encode_value(a) == encode_value(b))
-    except CheckpointError:
-        return False
+    if style == "make":
+        return cls._make(items)  # type: ignore[attr-defined,no-any-return]
+    if style == "args":
+        return cls(*items)
+    if style == "iter":
+        return cls(items)
+    raise CheckpointError(f"a {cls.__name__} cannot be rebuilt from its items")
 
 
 # ---------------------------------------------------------------------- messages
@@ -509,20 +765,22 @@ def describe_mismatch(where: str, r: RestoreReport, target: _Keys, ck: _Keys) ->
     differs as a whole named once."""
     lines = [f"cannot restore {where} into this state (nothing was changed):"]
     if r.missing_keys:
-        lines.append("  missing in the checkpoint: " + _summarize(r.missing_keys, target))
+        lines.append("  missing in the checkpoint: "
+                     + _summarize(r.missing_keys, target, ck, r.details))
     if r.unexpected_keys:
         lines.append("  in the checkpoint but not in the target: "
-                     + _summarize(r.unexpected_keys, ck))
+                     + _summarize(r.unexpected_keys, ck, target, r.details))
     if r.mismatched_keys:
-        lines.append("  mismatched: " + _some(
-            [f"{k} ({r.details[k]})" if k in r.details else k for k in r.mismatched_keys]))
+        lines.append("  mismatched: " + _summarize(r.mismatched_keys, target, None, r.details))
     lines.append("Pass strict=False to restore what matches, or restore into the state that "
                  "was saved.")
     return "\n".join(lines)
 
 
-def _summarize(keys: list[str], universe: _Keys) -> str:
-    """``keys`` with every subtree of ``universe`` that is wholly in ``keys`` named once."""
+def _summarize(keys: list[str], universe: _Keys, other: _Keys | None,
+               details: dict[str, str]) -> str:
+    """``keys`` with every subtree of ``universe`` that is wholly in ``keys`` (and, when
+    ``other`` is given, absent from it) named once."""
     chosen = set(keys)
     out: list[str] = []
     named: set[str] = set()
@@ -533,13 +791,24 @@ def _summarize(keys: list[str], universe: _Keys) -> str:
             if prefix in named:
                 break
             below = universe.under(prefix)
-            if len(below) > 1 and all(k in chosen for k in below):
+            if len(below) > 1 and all(k in chosen for k in below) and \
+                    (other is None or not other.under(prefix)):
                 named.add(prefix)
-                out.append(f"{prefix} (whole subtree, {len(below)} entries)")
+                kinds = {details.get(k) for k in below} - {None}
+                same = f", {kinds.pop()}" if len(kinds) == 1 else ""
+                out.append(f"{_q(prefix)} (whole subtree, {len(below)} entries{same})")
                 break
         else:
-            out.append(key)
+            detail = details.get(key)
+            out.append(f"{_q(key)} ({detail})" if detail else _q(key))
     return _some(out)
+
+
+def _q(key: str, limit: int = 120) -> str:
+    """A key path as it appears in messages: quoted (a key holding a newline cannot forge a
+    line) and cut when very long."""
+    text = repr(key)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
 
 
 def _some(items: list[str], n: int = 20) -> str:

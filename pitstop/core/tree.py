@@ -21,8 +21,13 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
+
 from .dtypes import check_savable_dtype
-from .errors import UnsupportedStateError
+from .errors import CheckpointError, UnsupportedStateError
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
@@ -94,6 +99,12 @@ class ArrayLeaf:
         """Raise :class:`UnsupportedStateError` when a restore could not write this leaf
         exactly (read-only, elements sharing memory). Called before any byte is written."""
 
+    def memory_span(self) -> tuple[Any, int, int, Any] | None:
+        """``(address space, first byte, end, view)`` of the live memory a restore writes
+        (``view`` identifies the exact layout), or None when unknown: two leaves whose spans
+        overlap are refused unless they are the same view getting the same bytes."""
+        return None
+
 
 class NumpyLeaf(ArrayLeaf):
     """An ``np.ndarray`` leaf: any shape, order or stride; restored in place."""
@@ -113,12 +124,6 @@ class NumpyLeaf(ArrayLeaf):
     def snapshot_into(self, out: np.ndarray) -> None:
         np.copyto(out, self.array)  # same dtype, or a byte swap to little-endian
 
-    def host_view(self) -> np.ndarray | None:
-        a = self.array
-        if a.flags.c_contiguous and a.flags.writeable and a.dtype == self.dtype:
-            return a
-        return None
-
     def check_restorable(self) -> None:
         """Refuse, before a restore writes anything, an array that cannot take the values."""
         a = self.array
@@ -135,8 +140,23 @@ class NumpyLeaf(ArrayLeaf):
                 "elements that share memory (a broadcast or as_strided view); restore into an "
                 "array that owns its memory (e.g. .copy() it)")
 
+    def memory_span(self) -> tuple[Any, int, int, Any] | None:
+        a = self.array
+        if a.size == 0:
+            return None
+        lo, hi = byte_bounds(a)
+        return ("cpu", lo, hi, (lo, a.shape, a.strides, a.dtype.str))
+
+    def host_view(self) -> np.ndarray | None:
+        a = self.array
+        if a.flags.c_contiguous and a.flags.writeable and a.dtype == self.dtype:
+            # an ndarray subclass (np.matrix keeps two dimensions) is read as a plain array
+            return a if type(a) is np.ndarray else a.view(np.ndarray)
+        return None
+
     def assign(self, value: np.ndarray) -> None:
-        np.copyto(self.array, value, casting="equiv")
+        target = self.array if type(self.array) is np.ndarray else self.array.view(np.ndarray)
+        np.copyto(target, value, casting="equiv")
 
 
 def has_internal_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
@@ -184,6 +204,9 @@ class FlatState:
 
     arrays: dict[str, ArrayLeaf] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    #: the value leaves as encoded for the manifest, made on the caller's thread: a deep,
+    #: immutable copy (what a save records is what the state held when save() was called)
+    encoded: dict[str, Any] = field(default_factory=dict)
     #: path -> (container, key) for value leaves, so restore can replace them in place.
     parents: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     #: adapters to call ``apply`` on after a restore, innermost first.
@@ -322,7 +345,7 @@ def decode_value(v: Any) -> Any:
             if tag == "$float":
                 return float(payload)
             if tag == "$bytes":
-                return base64.b64decode(payload)
+                return base64.b64decode(payload, validate=True)
             if tag == "$tuple":
                 return tuple(decode_value(x) for x in payload)
             if tag == "$dict":
@@ -373,6 +396,11 @@ class _Flattener:
             flat.arrays[_leaf_path(path)] = obj
             return 0
         if isinstance(obj, np.ndarray):
+            if isinstance(obj, np.ma.MaskedArray):
+                raise UnsupportedStateError(
+                    f"state entry {_where(path)} is a numpy masked array: pitstop would save "
+                    "its data and lose the mask. Put .data and .mask (np.ma.getmaskarray) in "
+                    "the state as two arrays.")
             flat.arrays[_leaf_path(path)] = NumpyLeaf(obj)
             return 0
         if isinstance(obj, np.generic):
@@ -393,7 +421,9 @@ class _Flattener:
                 has_arrays = contains_array(obj, self.resolve, depth)
             except _BadNesting as e:
                 raise _nesting_error(e, path) from None
-            if not has_arrays:
+            if not has_arrays and depth > 0:
+                # a subtree without arrays is one value leaf (JSON); the root container is
+                # always walked, so its entries are matched key by key on restore
                 return _value(obj, path, flat, parent, key)
             self.open.add(id(obj))
             try:
@@ -420,6 +450,12 @@ class _Flattener:
                 subtree = adapter.capture(obj)
             except UnsupportedStateError as e:
                 raise _at(e, path) from e.__cause__
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise UnsupportedStateError(
+                    f"state entry {_where(path)}: capturing the {type(obj).__name__} failed "
+                    f"({type(e).__name__}: {e})") from e
             caveats = getattr(adapter, "caveats", None)
             if caveats is not None:
                 flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in caveats(obj))
@@ -432,22 +468,34 @@ class _Flattener:
 
     def _mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Any:
         items = []
+        texts: dict[str, Any] = {}
         for k, v in obj.items():
-            tk = type(k)
-            if tk is not str and tk is not int:
-                if isinstance(k, np.integer):
-                    k = int(k)  # equal and hash-equal: comes back as an int
-                elif not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise UnsupportedStateError(
-                        f"state entry {_where(path)}: key {k!r} of type {type(k).__name__} "
-                        "cannot be saved beside arrays; use str or int keys")
-            if tk is not str and str(k) in obj:
+            name = _key_text(k, path)
+            if name in texts:
                 # 1 and "1" share the key path "…/1": one would silently overwrite the other
                 raise UnsupportedStateError(
-                    f"state entry {_where(path)}: keys {str(k)!r} and {k!r} have "
-                    "the same key path; rename one")
-            items.append([k, self.walk(v, join(path, k), obj, k, depth + 1)])
+                    f"state entry {_where(path)}: keys {texts[name]!r} and {k!r} have the "
+                    f"same key path {join(path, name)!r}; rename one")
+            texts[name] = k
+            # the structure records the key as saved (an int stays an int); the live key is
+            # kept for putting values back (an enum key hashes unlike its text)
+            items.append([name if isinstance(k, str) else int(k),
+                          self.walk(v, join(path, name), obj, k, depth + 1)])
         return {"$d": items}
+
+
+def _key_text(k: Any, path: str) -> str:
+    """The text of a dict key beside arrays: a str (subclasses such as str enums by their
+    value) or an int (numpy integers, int enums by their value); anything else is refused."""
+    if type(k) is str:
+        return k
+    if isinstance(k, str):
+        return str.__str__(k)
+    if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+        return str(int(k))
+    raise UnsupportedStateError(
+        f"state entry {_where(path)}: key {k!r} of type {type(k).__name__} cannot be saved "
+        "beside arrays (a key path needs a str or an int key); use str or int keys")
 
 
 def _at(e: UnsupportedStateError, path: str) -> UnsupportedStateError:
@@ -464,8 +512,9 @@ def _leaf_path(path: str) -> str:
 
 def _value(obj: Any, path: str, flat: FlatState, parent: Any, key: Any) -> int:
     p = _leaf_path(path)
-    # fail now, on the caller's thread, not later in the background persist (a set, an object)
-    encode_value(obj, path)
+    # on the caller's thread: fails now, not later in the background persist (a set, an
+    # object), and copies deeply whatever the container (a MappingProxyType, a UserDict)
+    flat.encoded[p] = encode_value(obj, path)
     flat.values[p] = obj
     if parent is not None:
         flat.parents[p] = (parent, key)

@@ -197,7 +197,7 @@ def test_an_adapter_that_refuses_stops_the_restore_before_any_byte_is_written(
         target = {"w": np.zeros(4), "box": Box(2)}
         with pytest.raises(pitstop.IncompatibleTargetError, match="too high") as info:
             mgr.restore(target, step=2)
-        assert "box (Box)" in str(info.value) and "nothing was changed" in str(info.value)
+        assert "'box' (Box)" in str(info.value) and "nothing was changed" in str(info.value)
         assert info.value.mismatched_keys == ["box"]
         assert target["w"].tolist() == [0, 0, 0, 0] and target["box"].applied == []
         # with strict=False the refusing object is left out, the rest restored
@@ -301,9 +301,9 @@ def test_mismatch_message_has_a_line_per_kind_and_names_a_subtree_once(tmp_path)
         missing = next(x for x in lines if "missing in the checkpoint" in x)
         unexpected = next(x for x in lines if "not in the target" in x)
         mismatched = next(x for x in lines if "mismatched" in x)
-        assert "new (whole subtree, 3 entries)" in missing and "new/x" not in missing
-        assert "old (whole subtree, 2 entries)" in unexpected
-        assert "w (checkpoint float64[3], target float64[4])" in mismatched
+        assert "'new' (whole subtree, 3 entries)" in missing and "new/x" not in missing
+        assert "'old' (whole subtree, 2 entries)" in unexpected
+        assert "'w' (checkpoint float64[3], target float64[4])" in mismatched
         assert info.value.missing_keys == ["new/x", "new/y", "new/z/q"]
 
 
@@ -325,3 +325,269 @@ def test_an_adapter_capture_error_names_the_state_path(tmp_path):
     with open_mgr(tmp_path / "ck") as mgr:
         with pytest.raises(pitstop.UnsupportedStateError, match="'model/f'"):
             mgr.save(1, {"model": Bad()})
+
+
+# ------------------------------------------------------------------ found by probing (issue 8)
+def test_a_target_of_plain_values_is_matched_key_by_key(tmp_path):
+    """A state of plain values against a checkpoint that also holds an array: a mismatch
+    named, never a target emptied to {}."""
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"epoch": 3, "lr": 0.1, "loss_scale": np.float64(1024.0)}).wait()
+        target = {"epoch": 0, "lr": 0.0, "loss_scale": 1.0}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="'loss_scale'"):
+            mgr.restore(target)
+        assert target == {"epoch": 0, "lr": 0.0, "loss_scale": 1.0}
+        step = mgr.restore(target, strict=False)
+        assert step.mismatched_keys == ["loss_scale"]
+        assert target == {"epoch": 3, "lr": 0.1, "loss_scale": 1.0}
+        for bad in (None, "abc", [None, 0]):
+            with pytest.raises(pitstop.IncompatibleTargetError):
+                mgr.restore(bad)
+
+
+def test_a_value_is_not_silently_replaced_by_a_subtree_with_arrays(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"cfg": {"ema": np.ones(2), "decay": 0.9}}).wait()
+        cfg = {"lr": 0.1, "warmup": 100}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="'cfg'"):
+            mgr.restore({"cfg": cfg})
+        assert cfg == {"lr": 0.1, "warmup": 100}
+        empty: dict = {}  # an empty container that has filled since is rebuilt (a buffer)
+        assert mgr.restore({"cfg": empty}) == 1 and empty["decay"] == 0.9
+
+
+def test_a_root_key_named_like_the_root_marker_is_an_ordinary_key(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.ones(3)}).wait()
+        target = {"w": np.zeros(3), "<root>": 5}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="missing.*'<root>'"):
+            mgr.restore(target)
+        assert target["<root>"] == 5 and target["w"].tolist() == [0, 0, 0]
+        mgr.save(2, {"<root>": np.ones(3)}).wait()
+        bare = np.zeros(3)
+        with pytest.raises(pitstop.IncompatibleTargetError, match="a dict, the target is a leaf"):
+            mgr.restore(bare, step=2)
+
+
+@pytest.mark.parametrize("make", [np.matrix, lambda a: a.view(np.recarray)],
+                         ids=["matrix", "recarray"])
+def test_ndarray_subclass_targets_restore_and_valid_checkpoints_stay(tmp_path, make):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"m": make(np.arange(4.0).reshape(2, 2))}).wait()
+        target = {"m": make(np.zeros((2, 2)))}
+        assert mgr.restore(target) == 1
+        assert np.asarray(target["m"]).tolist() == [[0, 1], [2, 3]]
+        assert mgr.all_steps() == [1] and not glob.glob(str(tmp_path / "ck" / "*.corrupt-*"))
+
+
+def test_a_masked_array_is_refused_at_save(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        with pytest.raises(pitstop.UnsupportedStateError, match="mask"):
+            mgr.save(1, {"x": np.ma.masked_array([1.0, 2.0], mask=[0, 1])})
+
+
+def test_values_are_recorded_when_save_returns_whatever_their_container(tmp_path):
+    import collections as c
+    import types
+    with open_mgr(tmp_path / "ck") as mgr:
+        inner, ud = {"epoch": 1}, c.UserDict({"epoch": 1})
+        state = {"w": np.zeros(2), "meta": types.MappingProxyType(inner), "ud": ud}
+        gate = __import__("threading").Event()
+        mgr.hooks["before_write"] = lambda step: gate.wait(30)
+        h = mgr.save(1, state)
+        inner["epoch"] = 999
+        ud["epoch"] = 999
+        gate.set()
+        h.wait()
+        got = mgr.load(1)
+        assert got["meta"] == {"epoch": 1} and got["ud"] == {"epoch": 1}
+
+
+def test_leaves_sharing_memory_are_refused_unless_tied(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"a": np.ones(3), "b": np.full(3, 2.0)}).wait()
+        base = np.zeros(5)
+        target = {"a": base[0:3], "b": base[2:5]}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="shares memory"):
+            mgr.restore(target)
+        assert base.tolist() == [0] * 5
+        same = np.zeros(3)
+        with pytest.raises(pitstop.IncompatibleTargetError, match="different values"):
+            mgr.restore({"a": same, "b": same})
+        # tied weights: the same array saved under two keys restores into the same array
+        tied = np.arange(3.0)
+        mgr.save(2, {"a": tied, "b": tied}).wait()
+        live = np.zeros(3)
+        assert mgr.restore({"a": live, "b": live}, step=2) == 2 and live.tolist() == [0, 1, 2]
+
+
+def test_enum_keys_beside_arrays_load_and_restore(tmp_path):
+    import enum
+
+    class Split(str, enum.Enum):
+        TRAIN = "train"
+
+    class Rank(enum.IntEnum):
+        TOP = 1
+
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"buf": {Split.TRAIN: np.arange(3.0)}, "r": {Rank.TOP: np.ones(2)}}).wait()
+        loaded = mgr.load()
+        assert loaded["buf"]["train"].tolist() == [0, 1, 2] and loaded["r"][1].tolist() == [1, 1]
+        target = {"buf": {Split.TRAIN: np.zeros(3)}, "r": {Rank.TOP: np.zeros(2)}}
+        assert mgr.restore(target) == 1
+        assert target["buf"][Split.TRAIN].tolist() == [0, 1, 2] and len(target["buf"]) == 1
+
+
+class Pair(tuple):
+    """A tuple subclass whose constructor takes the items as arguments."""
+
+    def __new__(cls, a: Any, b: Any) -> Pair:
+        return super().__new__(cls, (a, b))
+
+
+class Opaque(tuple):
+    """A tuple subclass that cannot be rebuilt from its items."""
+
+    def __new__(cls, token: str) -> Opaque:
+        if token != "secret":
+            raise ValueError("no")
+        return super().__new__(cls, (np.zeros(2), 0))
+
+
+def test_tuple_subclasses_are_rebuilt_as_their_type_or_refused_up_front(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"p": Pair(np.ones(2), 5), "v": Pair(1, 5)}).wait()
+        target = {"p": Pair(np.zeros(2), 0), "v": Pair(0, 0)}
+        assert mgr.restore(target) == 1
+        assert type(target["p"]) is Pair and target["p"][1] == 5
+        assert type(target["v"]) is Pair and tuple(target["v"]) == (1, 5)
+        mgr.save(2, {"o": (np.ones(2), 7)}).wait()
+        target = {"o": Opaque("secret")}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="cannot be rebuilt"):
+            mgr.restore(target, step=2)
+        assert target["o"][0].tolist() == [0, 0]
+
+
+def test_a_defaultdicts_new_entries_are_made_by_its_factory(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.zeros(1), "counts": {"cats": {"a": 1}}}).wait()
+        counts: collections.defaultdict = collections.defaultdict(
+            lambda: collections.defaultdict(int))
+        assert mgr.restore({"w": np.zeros(1), "counts": counts}) == 1
+        counts["cats"]["new"] += 1  # training goes on as before the restart
+        assert type(counts["cats"]) is collections.defaultdict and counts["cats"]["a"] == 1
+
+
+def test_a_read_only_mapping_that_must_change_is_refused_before_writing(tmp_path):
+    import types
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.ones(3), "cfg": {"n": 1, "a": np.ones(1)}}).wait()
+        w = np.zeros(3)
+        cfg = types.MappingProxyType({"n": 0, "a": np.zeros(1)})
+        with pytest.raises(pitstop.IncompatibleTargetError, match="mappingproxy"):
+            mgr.restore({"w": w, "cfg": cfg})
+        assert w.tolist() == [0, 0, 0] and cfg["a"].tolist() == [0]
+
+
+def test_a_generator_of_another_kind_is_refused_before_writing(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.ones(3), "rng": np.random.default_rng(0)}).wait()
+        target = {"w": np.zeros(3), "rng": np.random.Generator(np.random.MT19937(0))}
+        with pytest.raises(pitstop.IncompatibleTargetError, match="PCG64"):
+            mgr.restore(target)
+        assert target["w"].tolist() == [0, 0, 0]
+
+
+def _reseal(directory, step: int, edit) -> None:
+    import json
+
+    from pitstop.core.manifest import _HASH_KEY, seal
+    path = os.path.join(directory, step_name(step), "manifest.json")
+    data = open(path, "rb").read()
+    doc = json.loads(data)
+    algorithm = doc.pop("manifest_hash") and doc["hash_algorithm"]
+    edit(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(seal(body, algorithm))
+    assert _HASH_KEY in open(path, "rb").read()
+
+
+@pytest.mark.parametrize("edit", [
+    lambda doc: doc["values"].__setitem__("lr", {"$bytes": "!!!*"}),
+    lambda doc: doc["values"].__setitem__("lr", {"$float": "fast"}),
+    lambda doc: doc["values"].__setitem__("w", 5),
+    lambda doc: doc["arrays"]["w"].__setitem__("shape", [4.7]),
+], ids=["bad-bytes", "bad-float", "array-and-value", "float-shape"])
+def test_a_sealed_but_malformed_manifest_is_corrupt_and_never_half_applied(tmp_path, edit):
+    d = tmp_path / "ck"
+    with open_mgr(d) as mgr:
+        mgr.save(1, {"w": np.ones(4), "lr": 0.1}).wait()
+        mgr.save(2, {"w": np.full(4, 2.0), "lr": 0.2}).wait()
+    _reseal(d, 2, edit)
+    with open_mgr(d) as mgr:
+        target = {"w": np.zeros(4), "lr": 0.0}
+        with pytest.raises(pitstop.CorruptCheckpointError):
+            mgr.restore(target, step=2)
+        assert target == {"w": target["w"], "lr": 0.0} and target["w"].tolist() == [0] * 4
+        with pytest.warns(UserWarning, match=step_name(2)):
+            assert mgr.restore(target) == 1
+        assert target["lr"] == 0.1 and target["w"].tolist() == [1] * 4
+
+
+def test_a_renamed_checkpoint_is_never_restored_as_another_step(tmp_path):
+    d = tmp_path / "ck"
+    with open_mgr(d) as mgr:
+        mgr.save(1, {"w": np.ones(2)}).wait()
+        mgr.save(2, {"w": np.full(2, 2.0)}).wait()
+    os.rename(d / step_name(2), d / "tmp")
+    os.rename(d / step_name(1), d / step_name(2))
+    os.rename(d / "tmp", d / step_name(1))
+    with open_mgr(d) as mgr:
+        target = {"w": np.zeros(2)}
+        with pytest.warns(UserWarning), pytest.raises(pitstop.CorruptCheckpointError,
+                                                       match="manifest is of step"):
+            mgr.restore(target)
+        assert target["w"].tolist() == [0, 0]
+
+
+def test_a_fallback_that_cannot_cover_what_the_corrupt_step_overwrote_says_so(tmp_path):
+    d = tmp_path / "ck"
+    with open_mgr(d, writer_threads=1) as mgr:
+        mgr.save(1, {"a": np.ones(100)}).wait()
+        mgr.save(2, {"a": np.full(100, 2.0), "b": np.full(100, 2.0),
+                     "c": np.full(100, 2.0)}).wait()
+    _corrupt_array(d, 2, "c")
+    with open_mgr(d, writer_threads=1) as mgr:
+        target = {"a": np.zeros(100), "b": np.zeros(100), "c": np.zeros(100)}
+        with pytest.warns(UserWarning), pytest.raises(pitstop.CorruptCheckpointError,
+                                                       match="still hold bytes") as info:
+            mgr.restore(target, strict=False)
+        assert set(info.value.overwritten) == {"b", "c"}
+        assert (target["a"] == 1).all()  # what step 1 holds was restored
+
+
+def test_a_fallback_that_does_not_match_is_a_corrupt_error_not_an_unchanged_one(tmp_path):
+    d = tmp_path / "ck"
+    with open_mgr(d, writer_threads=1) as mgr:
+        mgr.save(1, {"a": np.ones(4), "b": np.ones(3)}).wait()
+        mgr.save(2, {"a": np.full(4, 2.0), "b": np.full(4, 2.0)}).wait()
+    _corrupt_array(d, 2, "b")
+    with open_mgr(d, writer_threads=1) as mgr:
+        target = {"a": np.zeros(4), "b": np.zeros(4)}
+        with pytest.warns(UserWarning), pytest.raises(pitstop.CorruptCheckpointError) as info:
+            mgr.restore(target)
+        text = str(info.value)
+        assert "cannot complete the restore" in text and "'b'" in text
+        assert "nothing was changed" not in text and "a" in info.value.overwritten
+
+
+def test_keys_in_messages_are_quoted(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"model": {"a\nunexpected: fake": np.ones(1)}}).wait()
+        with pytest.raises(pitstop.IncompatibleTargetError) as info:
+            mgr.restore({"model": {"b": np.ones(1)}})
+        lines = str(info.value).splitlines()
+        assert len([x for x in lines if "unexpected" in x]) == 1
+        assert "'model/a\\nunexpected: fake'" in str(info.value)

@@ -178,14 +178,16 @@ def test_a_plain_dataloader_killed_by_a_group_signal_says_why_nothing_was_saved(
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
-        assert p.stdout.readline().strip() == "waiting 3"
+        first = p.stdout.readline().strip()
+        assert first == "waiting 3", first + p.stderr.read()
         os.killpg(p.pid, signal.SIGTERM)
-        _out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 1, err
-    assert "DataLoader worker" in err
-    assert "SIGTERM arrived" in err and "nothing was saved for it" in err
-    assert "ResumableLoader" in err
+    seen = f"exit {p.returncode}\nstdout: {out}\nstderr: {err}"
+    assert p.returncode == 1, seen
+    assert "DataLoader worker" in err, seen
+    assert "SIGTERM arrived" in err and "nothing was saved for it" in err, seen
+    assert "ResumableLoader" in err, seen
     assert not (tmp_path / "ck" / "step_0000000003").exists()
