@@ -349,6 +349,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             try:
                 m = _reader(storage, step_name(s)).manifest
             except CliError as e:
+                if _gone(storage, step_name(s)):
+                    continue  # deleted by a live trainer's retention while listing
                 rows.append((mark, str(s), "-", "-", "-", f"unreadable: {_one_line(e)}"))
                 continue
             size = sum(m.files.values())
@@ -417,9 +419,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 # ====================================================================== inspect
+def _gone(storage: LocalStorage, name: str) -> bool:
+    """True when a listed checkpoint no longer exists (a live trainer's retention deleted
+    it, or moved it aside, between listing and reading)."""
+    return not os.path.lexists(os.path.join(storage.location, name, MANIFEST))
+
+
+def _pick_live(storage: LocalStorage, step: int | None, command: str) -> int:
+    """The checkpoint to read: the newest one (again, if it vanishes while a trainer
+    writes), or ``step``."""
+    for _ in range(10):
+        picked = _pick(_scan(storage), step, command)
+        if step is not None or not _gone(storage, step_name(picked)):
+            return picked
+    return picked
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
-    step = _pick(_scan(storage), args.step, "inspect")
+    step = _pick_live(storage, args.step, "inspect")
     name = step_name(step)
     where = storage.path_of(name)
     with _lease(storage, name):
@@ -514,7 +532,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not steps:
             raise CliError(_no_checkpoint(listing, "verify"))
     else:
-        steps = [_pick(listing, args.step, "verify")]
+        steps = [_pick_live(storage, args.step, "verify")]
     failed: list[int] = []
     unchecked: list[str] = []
     for s in steps:

@@ -25,6 +25,14 @@ ML_DTYPES: dict[str, np.dtype] = {
     n: np.dtype(getattr(ml_dtypes, n)) for n in _ML_NAMES if hasattr(ml_dtypes, n)
 }
 _ML_BY_DTYPE = {v: k for k, v in ML_DTYPES.items()}
+#: the ml_dtypes floating types (numpy reports their kind as "V")
+ML_FLOATS = frozenset(v for k, v in ML_DTYPES.items() if "float" in k)
+
+
+def is_inexact(dtype: np.dtype) -> bool:
+    """True for dtypes that can hold NaN or Inf: numpy floats and complexes, and the
+    ml_dtypes floats (bfloat16, float8, ...)."""
+    return dtype.kind in "fc" or dtype in ML_FLOATS
 
 
 def check_savable_dtype(dtype: np.dtype) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import codecs
-from .dtypes import encode_dtype
+from .dtypes import encode_dtype, is_inexact
 from .errors import CheckpointError, CheckpointWriteError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest
@@ -51,6 +51,11 @@ ALIGN = 4096
 
 #: longest uninterrupted wait on the main thread (see :func:`wait_event`)
 SIGNAL_POLL_S = 0.1
+
+#: this process's pid, kept current across forks (os.getpid() is a system call, and the
+#: per-step calls check it): what pitstop made belongs to the process that made it
+current_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: current_pid.__setitem__(0, os.getpid()))
 
 
 def wait_event(event: threading.Event, timeout: float | None = None) -> bool:
@@ -113,6 +118,9 @@ class Workers:
                 f.set_exception(e)
             del item, f, fn, args
 
+    def owns(self, thread: threading.Thread) -> bool:
+        return thread in self._threads
+
     def shutdown(self) -> None:
         for _ in self._threads:
             self._queue.put(None)
@@ -153,6 +161,7 @@ class SaveHandle:
         self.stats = stats
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._owner_pid = current_pid[0]
 
     @property
     def snapshot_taken(self) -> bool:
@@ -168,6 +177,11 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the commit; raises the save's error. Returns False on timeout."""
+        timeout = check_timeout(timeout)
+        if current_pid[0] != self._owner_pid and not self._event.is_set():
+            raise CheckpointError(
+                f"the save of step {self.step} belongs to process {self._owner_pid}; its "
+                f"outcome cannot be waited for in the forked process {current_pid[0]}")
         if not wait_event(self._event, timeout):
             return False
         if self._error is not None:
@@ -240,8 +254,9 @@ class Engine:
                                 else min(4, os.cpu_count() or 1))
         self._copier = Workers(max(1, self.copy_threads - 1), "pitstop-copy")
         self._thread = threading.Thread(target=self._run, name="pitstop-persist", daemon=True)
-        self._thread.start()
         self._closed = False
+        self._tier_warned = False
+        self._thread.start()
 
     # ------------------------------------------------------------------ caller's thread
     def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
@@ -327,6 +342,8 @@ class Engine:
             f.result()
 
     def submit(self, job: PersistJob) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed; the save was not taken")
         job.t_start = time.perf_counter()
         if self.tier is not None and job.buffer.shm_path is not None and job.hashes is None:
             # the snapshot is complete in shared memory: describe it now, before save()
@@ -346,6 +363,12 @@ class Engine:
         with self._lock:
             self._pending = [h for h in self._pending if not h.done()]
             return len(self._pending)
+
+    def on_own_thread(self) -> bool:
+        """True on one of the engine's threads (where waiting for its saves would wait for
+        oneself: e.g. a finalizer the garbage collector happens to run there)."""
+        me = threading.current_thread()
+        return me is self._thread or self._executor.owns(me) or self._copier.owns(me)
 
     def pending_steps(self) -> set[int]:
         """Steps submitted and not yet finished (committed, failed or skipped)."""
@@ -434,6 +457,9 @@ class Engine:
                 else:
                     job.handle.stats.skipped = str(e)
                     log.warning("pitstop: step %d not saved: %s", job.step, e)
+                    if self.tier is not None and job.buffer.shm_path is not None:
+                        # a skipped save must never come back from the memory tier
+                        self._tier_call(self.tier.invalidate, job.buffer)
             finally:
                 if job.release_buffer:
                     self.pool.release(job.buffer)
@@ -466,15 +492,16 @@ class Engine:
             for h, f in parts:
                 hashes.update(h)
                 finite &= f
-            if not finite:
-                raise _Skip("an array holds NaN or Inf (non-finite guard)")
         else:
             hashes = job.hashes
+            finite = not job.check_finite or buffer_is_finite(buf)
+        if not finite:
+            raise _Skip("an array holds NaN or Inf (non-finite guard)")
         t_hashed = time.perf_counter()
         all_finite = True if job.check_finite else None
         # 2. the memory-tier copy is now verifiable: seal it
         if self.tier is not None and buf.shm_path is not None and job.hashes is None:
-            self.tier.seal(buf, job, hashes, self.hash_algorithm)
+            self._tier_call(self.tier.seal, buf, job, hashes, self.hash_algorithm)
         hook = self.hooks.get("before_write")
         if hook is not None:
             hook(job.step)
@@ -500,6 +527,9 @@ class Engine:
             hook = self.hooks.get("before_commit")
             if hook is not None:
                 hook(job.step)
+            verify = getattr(self.storage, "verify_held", None)
+            if verify is not None:
+                verify()  # the directory is still the one this writer locked
             txn.commit(manifest.to_bytes())
         except BaseException:
             txn.abort()
@@ -514,7 +544,7 @@ class Engine:
         stats.committed = True
         stats.path = txn.location
         if self.tier is not None and buf.shm_path is not None:
-            self.tier.mark_committed(buf)
+            self._tier_call(self.tier.mark_committed, buf)
         log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
                  job.step, stats.bytes / 2**20, stats.stall_s, stats.persist_s,
                  stats.throughput / 2**20)
@@ -540,9 +570,20 @@ class Engine:
             # the non-finite guard holds with or without compression
             if check_finite and finite:
                 v = buf.views[layout.keys[i]]
-                if v.dtype.kind in "fc" and v.size and not np.isfinite(v).all():
+                if is_inexact(v.dtype) and v.size and not np.isfinite(v).all():
                     finite = False
         return out, finite
+
+    def _tier_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """A memory-tier bookkeeping write: the tier is an optimisation, so its failure (a
+        full /dev/shm) is a warning, never the save's failure."""
+        try:
+            fn(*args)
+        except OSError as e:
+            if not self._tier_warned:
+                self._tier_warned = True
+                log.warning("pitstop: the memory tier's description could not be written (%s); "
+                            "saves go on, but a crash before a commit may lose that save", e)
 
     def _write_group(self, txn: Any, buf: StagingBuffer, index: int, group: list[int],
                      hashes: dict[str, str]) -> tuple[str | None, int, dict[str, ArrayEntry]]:
@@ -595,6 +636,25 @@ class Engine:
 
 class _Skip(CheckpointError):
     """The save was deliberately not committed (non-finite guard)."""
+
+
+def buffer_is_finite(buf: StagingBuffer) -> bool:
+    """True when no floating array of ``buf`` holds NaN or Inf."""
+    for v in buf.views.values():
+        if is_inexact(v.dtype) and v.size and not np.isfinite(v).all():
+            return False
+    return True
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A wait's timeout: None (no limit) or a number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        from .errors import InvalidArgumentError
+        raise InvalidArgumentError(f"timeout must be a number of seconds or None, got "
+                                   f"{timeout!r}")
+    return float(timeout)
 
 
 def hash_chunks(algorithm: str, data: Any) -> str:

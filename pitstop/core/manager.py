@@ -21,6 +21,8 @@ import logging
 import math
 import operator
 import os
+import sys
+import threading
 import time
 import warnings
 import weakref
@@ -29,7 +31,7 @@ from typing import Any
 
 from . import memtier as memtier_mod
 from .catalog import Catalog, create_identity, read_identity
-from .engine import Engine, PersistJob, SaveHandle, SaveStats
+from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -60,7 +62,13 @@ from .policy import (
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
 from .recovery import Recovered, recover
-from .signals import CONTINUE_SIGNALS, DEFAULT_SIGNALS, SignalSaver, signal_name
+from .signals import (
+    CONTINUE_SIGNALS,
+    DEFAULT_SIGNALS,
+    SignalSaver,
+    check_signals,
+    signal_name,
+)
 from .snapshot import StagingPool
 from .storage import Storage, open_storage
 from .tree import FlatState, flatten
@@ -120,9 +128,12 @@ class CheckpointManager:
         self._owner_pid = os.getpid()
         self._closed = False
         self._engine: Engine | None = None
-        self._recovered: Recovered | None = None
+        #: snapshots recovered from the memory tier at construction, oldest first
+        self._recovered_all: list[Recovered] = []
         _check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
+        _check_callables(save_policy, retention, on_save)
+        check_signals(save_on_signals)  # all of them, before anything is installed or written
         self.storage = _open(directory, durable=durable, create=not read_only)
         self.directory = self.storage.location
         self.read_only = read_only
@@ -136,7 +147,11 @@ class CheckpointManager:
         #: a run continued from this older step: the newer checkpoints of the abandoned run
         #: are moved aside at its first save
         self._rolled_back_to: int | None = None
+        #: ... and those newer checkpoints, hidden from this manager until they are moved
+        self._abandoned: set[int] = set()
         self._warned: set[str] = set()
+        #: one save (its checks, snapshot and submit) or close at a time, across threads
+        self._api_lock = threading.RLock()
 
         retention_list: list[RetentionPolicy] = list(retention or [])
         if keep_last is not None:
@@ -161,6 +176,12 @@ class CheckpointManager:
         lock = _wrap_os(self.storage.lock, self.directory)
         self._res = _Resources(self._owner_pid, self.directory, lock=lock)
         self._finalizer = weakref.finalize(self, _Resources.release, self._res, True)
+        mp = sys.modules.get("multiprocessing")
+        if mp is not None and mp.parent_process() is not None:
+            # a multiprocessing worker leaves through os._exit, past atexit: its own exit
+            # hook commits what this manager accepted
+            mp.util.Finalize(None, _Resources.release, args=(self._res, True),
+                             exitpriority=10)
         try:
             self.directory_id = read_identity(self.storage, required=True) or \
                 _wrap_os(create_identity, self.directory, self.storage)
@@ -211,9 +232,9 @@ class CheckpointManager:
             self._res.signals = self._signals
             if tier is not None:
                 committed = self._catalog.committed_steps()
-                self._recovered = recover(tier, self.pool, self._engine,
-                                          committed[-1] if committed else None)
-                self._res.recovered = self._recovered
+                self._recovered_all = recover(tier, self.pool, self._engine,
+                                              committed[-1] if committed else None)
+                self._res.recovered = self._recovered_all
             self._ctx = SaveContext(last_save_step=self.latest_step())
         except BaseException:
             self._finalizer.detach()
@@ -230,6 +251,9 @@ class CheckpointManager:
         engine = self._writer()
         step = _step_arg(step)
         engine.raise_pending()
+        clean = _clean_metrics(metrics, self.best_metric) if metrics is not None else None
+        if self._rolled_back_to is not None:
+            self._abandon_newer_than(self._rolled_back_to)  # training goes on from there
         if self._signals.pending is not None:
             return self._handle_signal(step, state, metrics)
         policy = self._policy
@@ -237,42 +261,48 @@ class CheckpointManager:
             return None
         ctx = self._ctx
         ctx.now = time.monotonic()
-        ctx.metrics = _clean_metrics(metrics, self.best_metric) if metrics else None
+        ctx.metrics = clean or None
         if not policy.should_save(step, ctx):
             return None
-        if self._rolled_back_to is not None:
-            self._abandon_newer_than(self._rolled_back_to)
-        if step in self._catalog.index or step in engine.pending_steps():
-            self._warn_once(
-                f"exists:{step}",
-                f"pitstop: step {step} already has a checkpoint in {self.directory}; it is not "
-                "overwritten and this step is not saved. A run that continues from an older "
-                "step should restore() or rollback() it through the manager, which then moves "
-                "the abandoned run's newer checkpoints aside.")
-            return None
-        return self._save(step, state, metrics, block=self.on_busy == "wait", periodic=True)
+        with self._api_lock:
+            if step in self._catalog.index or step in engine.pending_steps():
+                self._warn_once(
+                    f"exists:{step}",
+                    f"pitstop: step {step} already has a checkpoint in {self.directory}; it is "
+                    "not overwritten and this step is not saved. A run that continues from an "
+                    "older step should restore() or rollback() it through the manager, which "
+                    "then moves the abandoned run's newer checkpoints aside.")
+                return None
+            return self._save(step, state, metrics, block=self.on_busy == "wait",
+                              periodic=True)
 
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, *,
              user_metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Save now. Blocks for the snapshot only (and for a free staging buffer); the
-        returned handle's ``wait()`` / ``result()`` wait for the commit."""
+        returned handle's ``wait()`` / ``result()`` wait for the commit. A save is a step
+        boundary too: a pending SIGTERM/SIGINT is acted on right after it."""
         engine = self._writer()
         step = _step_arg(step)
         engine.raise_pending()
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
-        if step in self._catalog.index:
-            raise StepExistsError(
-                f"{self.storage.path_of(step_name(step))} already exists; pitstop never "
-                "overwrites a committed checkpoint. Save under a new step, or delete it first.")
-        if step in engine.pending_steps():
-            raise StepExistsError(
-                f"step {step} is already being saved to {self.storage.path_of(step_name(step))} "
-                "(by an earlier save or step() call); pitstop never saves a step twice. "
-                "mgr.wait() waits for it; to save the final state of a run, check "
-                "mgr.latest_step() != step first.")
-        handle = self._save(step, state, metrics, block=True, periodic=False,
-                            user_metadata=user_metadata)
+        with self._api_lock:
+            if step in self._catalog.index:
+                raise StepExistsError(
+                    f"{self.storage.path_of(step_name(step))} already exists; pitstop never "
+                    "overwrites a committed checkpoint. Save under a new step, or delete it "
+                    "first.")
+            if step in engine.pending_steps():
+                raise StepExistsError(
+                    f"step {step} is already being saved to "
+                    f"{self.storage.path_of(step_name(step))} (by an earlier save or step() "
+                    "call); pitstop never saves a step twice. mgr.wait() waits for it; to save "
+                    "the final state of a run, check mgr.latest_step() != step first.")
+            if self._signals.pending is not None:
+                handle = self._handle_signal(step, state, metrics, user_metadata=user_metadata)
+            else:
+                handle = self._save(step, state, metrics, block=True, periodic=False,
+                                    user_metadata=user_metadata)
         assert handle is not None
         return handle
 
@@ -288,8 +318,11 @@ class CheckpointManager:
         """
         self._check_usable()
         step = None if step is None else _step_arg(step)
-        recovered = self._recovered
-        from_memory = recovered is not None and (step is None or step == recovered.step)
+        if step is not None and step in self._abandoned:
+            # asked for by number: this run goes on from there after all
+            self._abandoned, self._rolled_back_to = set(), None
+        recovered = self._recovered_at(step)
+        from_memory = recovered is not None
         engine = self._engine
         if engine is not None and not from_memory:
             engine.drain()  # a save still persisting may be the newest
@@ -311,7 +344,7 @@ class CheckpointManager:
         if restored is None:
             return None
         assert report is not None
-        self._restored(restored)
+        self._restored(restored, explicit=step is not None)
         return RestoredStep(restored, report)
 
     def rollback(self, state: Any) -> RestoredStep | None:
@@ -319,8 +352,13 @@ class CheckpointManager:
         self._check_usable()
         if self._engine is not None:
             self._engine.drain()  # a save still persisting may be the newest finite one
-        finite = self._catalog.finite_steps()
+        finite = [s for s in self._catalog.finite_steps() if s in set(self._committed())]
         if not finite:
+            if self._committed():
+                raise CheckpointNotFoundError(
+                    f"rollback() found no checkpoint in {self.directory} known to hold only "
+                    "finite values: only saves made with nonfinite_guard=True are checked. "
+                    "Use restore(state, step=N) to go back to a step you choose.")
             return None
         return self.restore(state, step=finite[-1])
 
@@ -328,18 +366,19 @@ class CheckpointManager:
         """A fresh nested dict of numpy arrays and values (no target needed)."""
         self._check_usable()
         step = None if step is None else _step_arg(step)
-        recovered = self._recovered
-        if recovered is not None and (step == recovered.step or (
-                step is None and self.latest_step() == recovered.step)):
+        recovered = self._recovered_at(step)
+        if recovered is not None and (step is not None or self.latest_step() == recovered.step):
             return recovered.reader.load()
         if self._engine is not None:
             self._engine.drain()
-        steps = self._committed()
+        steps = self._committed(hidden=step is not None)
         if step is not None and step not in steps:
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
         last: Exception | None = None
         for s in [step] if step is not None else reversed(steps):
+            if step is None and s not in self._committed():
+                continue  # deleted meanwhile (another writer's retention): not corrupt
             try:
                 with self.storage.read_lease(step_name(s)), _no_gc():
                     return CheckpointReader(self.storage, step_name(s)).load()
@@ -366,24 +405,22 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Committed steps, and steps being saved or recovered from memory, oldest first."""
         self._check_usable()
-        steps = set(self._committed())
-        if self._engine is not None:
-            steps |= self._engine.pending_steps()
-        if self._recovered is not None:
-            steps.add(self._recovered.step)
+        # saves under way first: one that commits meanwhile is then on disk when listed
+        steps = self._engine.pending_steps() if self._engine is not None else set()
+        steps |= set(self._committed())
+        steps.update(r.step for r in self._recovered_all)
         return sorted(steps)
 
     def metadata(self, step: int) -> Manifest:
         """The parsed manifest of one checkpoint (metrics, user metadata, arrays)."""
         self._check_usable()
         step = _step_arg(step)
-        recovered = self._recovered
-        if recovered is not None and step == recovered.step and \
-                step not in self._catalog.index:
+        recovered = self._recovered_at(step)
+        if recovered is not None and step not in self._catalog.index:
             return recovered.reader.manifest
         if self._engine is not None and step in self._engine.pending_steps():
             self._engine.drain()
-        if step not in self._committed():
+        if step not in self._committed(hidden=True):
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
         return CheckpointReader(self.storage, step_name(step)).manifest
 
@@ -391,6 +428,7 @@ class CheckpointManager:
         """Wait for every pending save to commit; raises a background failure not yet
         reported (each is reported once)."""
         self._check_usable()
+        timeout = check_timeout(timeout)
         if self._engine is not None:
             self._engine.drain(timeout)
             self._engine.raise_pending()
@@ -400,19 +438,26 @@ class CheckpointManager:
 
         In a forked child this does nothing: the manager and all it holds are the parent's.
         """
-        if os.getpid() != self._owner_pid or self._closed:
+        if os.getpid() != self._owner_pid:
             return
-        self._closed = True
-        # a terminating signal that arrived after the last step(): pitstop only deferred it
-        pending = self._signals.pending
+        with self._api_lock:  # a save under way on another thread submits first
+            if self._closed:
+                return
+            self._closed = True
         self._finalizer.detach()
         error = self._res.release(False)
-        if error is not None:
-            raise error
+        # a terminating signal that arrived after the last step() or while the saves above
+        # were committed: pitstop only deferred it
+        pending = self._signals.pending
+        self._signals.pending = None
         if pending is not None and signal_name(pending) not in CONTINUE_SIGNALS:
+            if error is not None:
+                log.error("pitstop: %s", error)
             log.warning("pitstop: %s received after the last step; pending saves are "
                         "committed, acting on it now", signal_name(pending))
             self._signals.exit_like(pending)
+        if error is not None:
+            raise error
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -460,13 +505,13 @@ class CheckpointManager:
         assert engine is not None
         clean_metrics = _clean_metrics(metrics, self.best_metric)
         user_meta = _check_user_metadata(user_metadata)
-        recovered = self._recovered
-        if recovered is not None:  # first save after a recovery
-            # the recovered snapshot may still be persisting from that very buffer: let it
-            # commit before a new snapshot may overwrite it
+        if self._recovered_all:  # first save after a recovery
+            # the recovered snapshots may still be persisting from those very buffers: let
+            # them commit before a new snapshot may overwrite one
             engine.drain()
-            self.pool.release(recovered.buffer)
-            self._recovered = self._res.recovered = None
+            for r in self._recovered_all:
+                self.pool.release(r.buffer)
+            self._recovered_all = self._res.recovered = []
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
         stats = SaveStats(step=step)
@@ -536,6 +581,7 @@ class CheckpointManager:
         assert self._engine is not None
         self._engine.drain()
         self._rolled_back_to = None
+        self._abandoned = set()
         newer = [s for s in self._committed() if s > restored]
         moved = []
         for s in newer:
@@ -551,13 +597,26 @@ class CheckpointManager:
                 "longer need them.")
 
     # ================================================================== restoring
-    def _restored(self, restored: int) -> None:
+    def _restored(self, restored: int, *, explicit: bool) -> None:
         if self._engine is None:
             return
         self._ctx.last_save_step = restored
         self._ctx.last_save_time = time.monotonic()
-        newer = [s for s in self.all_steps() if s > restored]
+        if not explicit:
+            return  # the newest valid one: newer ones are corrupt (moved aside) or unreadable
+        # the newer checkpoints belong to a run this one abandons: from now on this manager
+        # names and restores none of them, and the run's first step or save moves them aside
+        newer = [s for s in self._committed(hidden=True) if s > restored]
         self._rolled_back_to = restored if newer else None
+        self._abandoned = set(newer)
+
+    def _recovered_at(self, step: int | None) -> Recovered | None:
+        """The recovered snapshot of ``step`` (the newest one for None), if any."""
+        if not self._recovered_all:
+            return None
+        if step is None:
+            return self._recovered_all[-1]
+        return next((r for r in self._recovered_all if r.step == step), None)
 
     def _restore_recovered(self, recovered: Recovered, flat: FlatState, strict: bool
                            ) -> tuple[int | None, RestoreReport | None]:
@@ -572,18 +631,21 @@ class CheckpointManager:
 
     def _restore_from_disk(self, flat: FlatState, step: int | None, strict: bool
                            ) -> tuple[int | None, RestoreReport | None]:
-        steps = self._committed()
         if step is not None:
+            steps = self._committed(hidden=True)
             if step not in steps:
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
             return step, self._restore_one(step, flat, strict)
+        steps = self._committed()
         newer: UnsupportedFormatError | None = None
         corrupt: list[CorruptCheckpointError] = []
         for s in reversed(steps):
             try:
                 report = self._restore_one(s, flat, strict)
             except CorruptCheckpointError as e:
+                if not e.overwritten and s not in self._committed():
+                    continue  # deleted meanwhile (another writer's retention): not corrupt
                 msg = (f"pitstop: checkpoint {self.storage.path_of(step_name(s))} is corrupt "
                        f"({e}); falling back to the previous one")
                 log.error(msg)
@@ -660,23 +722,40 @@ class CheckpointManager:
         log.warning("pitstop: moved corrupt checkpoint %s aside to %s", name, new)
 
     # ================================================================== signals
-    def _handle_signal(self, step: int, state: Any, metrics: Mapping[str, Any] | None
-                       ) -> SaveHandle | None:
+    def _handle_signal(self, step: int, state: Any, metrics: Mapping[str, Any] | None, *,
+                       user_metadata: Mapping[str, Any] | None = None) -> SaveHandle | None:
         signals = self._signals
         signum = signals.take()
         assert signum is not None and self._engine is not None
         name = signal_name(signum)
         try:
-            handle = None
-            if self._rolled_back_to is not None:
-                self._abandon_newer_than(self._rolled_back_to)
-            if step not in self._catalog.index and step not in self._engine.pending_steps():
-                handle = self._save(step, state, metrics, block=True, periodic=False)
-            self.wait()
-            log.warning("pitstop: saved step %d after %s", step, name)
+            with self._api_lock:
+                handle = None
+                if step not in self._catalog.index and step not in self._engine.pending_steps():
+                    try:
+                        handle = self._save(step, state, metrics, block=True, periodic=False,
+                                            user_metadata=user_metadata)
+                    except CheckpointError as e:
+                        if name in CONTINUE_SIGNALS:
+                            raise
+                        log.error("pitstop: the save of step %d for %s could not be taken "
+                                  "(%s); exiting as the signal asks without it", step, name, e)
             if name in CONTINUE_SIGNALS:
+                self.wait()
+                log.warning("pitstop: saved step %d after %s", step, name)
                 return handle
-            self.close()
+            try:
+                self.wait()
+                log.warning("pitstop: saved step %d after %s", step, name)
+            except CheckpointError as e:
+                # the signal is still honoured: a loop that tolerates checkpoint errors must
+                # not train on after a preemption notice
+                log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
+                          "signal asks without it", step, name, e)
+            try:
+                self.close()
+            except CheckpointError as e:
+                log.error("pitstop: %s", e)
             signals.exit_like(signum)
             return handle
         finally:
@@ -699,8 +778,13 @@ class CheckpointManager:
             raise CheckpointError(f"this CheckpointManager ({self.directory}) is closed")
         return self._engine
 
-    def _committed(self) -> list[int]:
-        return _wrap_os(self._catalog.committed_steps, self.directory)
+    def _committed(self, *, hidden: bool = False) -> list[int]:
+        """Committed steps on disk; the abandoned run's ones (after a restore of an older
+        step) only with ``hidden``, until the run's first step or save moves them aside."""
+        steps = _wrap_os(self._catalog.committed_steps, self.directory)
+        if self._abandoned and not hidden:
+            steps = [s for s in steps if s not in self._abandoned]
+        return steps
 
 
 # ====================================================================== lifecycle
@@ -716,7 +800,7 @@ class _Resources:
         self.pool: StagingPool | None = None
         self.tier: MemoryTier | None = None
         self.signals: SignalSaver | None = None
-        self.recovered: Recovered | None = None
+        self.recovered: list[Recovered] = []
         self.released = False
 
     def release(self, unattended: bool) -> CheckpointError | None:
@@ -725,6 +809,12 @@ class _Resources:
         instead, loudly)."""
         if os.getpid() != self.owner_pid or self.released:
             return None  # a forked child: nothing here is the child's to release
+        if self.engine is not None and self.engine.on_own_thread():
+            # the garbage collector ran this finalizer on pitstop's own thread (a manager in
+            # a reference cycle): waiting for the saves here would wait for itself
+            threading.Thread(target=self.release, args=(unattended,),
+                             name="pitstop-release").start()
+            return None
         self.released = True
         error: CheckpointError | None = None
         engine = self.engine
@@ -748,8 +838,8 @@ class _Resources:
                 log.error("pitstop: %s", _lost_signal_message(self.signals.pending,
                                                               self.signals, None, None))
             if self.pool is not None:
-                if self.recovered is not None:
-                    self.pool.release(self.recovered.buffer)
+                for r in self.recovered:
+                    self.pool.release(r.buffer)
                 # the tier outlives crashes, not a clean close; keep it if a save failed
                 self.pool.close(unlink=error is None)
             if self.tier is not None and error is None:
@@ -787,13 +877,25 @@ class _TierFallback:
             size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
         have = (f"{self.root} has {_mib(size)} ({_mib(free)} free)" if size is not None
                 else f"{self.root} cannot be inspected")
+        code = error.errno
+        if code == errno.EFBIG:
+            fix = ("a file-size limit stops the tier's file: raise it (`ulimit -f unlimited`, "
+                   "or the job's RLIMIT_FSIZE)")
+        elif code in (errno.EMFILE, errno.ENFILE):
+            fix = "no file descriptor was left: raise the limit (`ulimit -n`)"
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = (f"{self.root} is not writable here: give the job write access, or pass "
+                   "memory_tier='<a writable dir on a tmpfs>'")
+        elif code == errno.ENOENT:
+            fix = f"{self.root} does not exist: create it, or pass another memory_tier"
+        else:
+            fix = ("enlarge /dev/shm (`docker run --shm-size=<size>`; in Kubernetes mount an "
+                   "emptyDir with `medium: Memory` and a sizeLimit at /dev/shm), or pass "
+                   "memory_tier='<dir on a larger tmpfs>'")
         text = (f"pitstop: the memory tier cannot hold this snapshot ({type(error).__name__}: "
                 f"{error}): the state needs {_mib(nbytes)} and {have}. Saves go on, staged in "
                 "private memory (a crash between a save and its commit then loses that "
-                "save). To keep the tier: enlarge /dev/shm (`docker run --shm-size=<size>`; "
-                "in Kubernetes mount an emptyDir with `medium: Memory` and a sizeLimit at "
-                "/dev/shm), or pass memory_tier='<dir on a larger tmpfs>'; to silence this, "
-                "memory_tier=False.")
+                f"save). To keep the tier: {fix}; to silence this, memory_tier=False.")
         log.warning("%s", text)
         # user code <- save/step <- _save <- snapshot <- acquire <- _allocate <- here
         warnings.warn(text, stacklevel=7)
@@ -842,6 +944,8 @@ def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_bes
     if not isinstance(directory, (str, os.PathLike, Storage)):
         raise InvalidArgumentError(
             f"directory must be a path or a Storage, got {type(directory).__name__}")
+    if not isinstance(directory, Storage) and "\0" in str(os.fspath(directory)):
+        raise InvalidArgumentError(f"directory {directory!r} holds a NUL character")
     if hash_algorithm not in ALGORITHMS:
         raise InvalidArgumentError(f"hash_algorithm must be one of {sorted(ALGORITHMS)}, got "
                                    f"{hash_algorithm!r}")
@@ -864,6 +968,25 @@ def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_bes
             f"directory on a tmpfs; got {memory_tier!r}")
     if isinstance(memory_tier, (str, os.PathLike)) and not os.fspath(memory_tier):
         raise InvalidArgumentError("memory_tier must name a directory, got an empty path")
+
+
+def _check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:
+    if save_policy is not None and not callable(getattr(save_policy, "should_save", None)):
+        raise InvalidArgumentError(
+            f"save_policy must have should_save(step, ctx) (e.g. pitstop.EveryNSteps(100)), got "
+            f"{type(save_policy).__name__}")
+    if retention is not None:
+        if isinstance(retention, (str, bytes)) or not isinstance(retention, Iterable):
+            raise InvalidArgumentError("retention must be a list of retention policies, e.g. "
+                                       "[pitstop.KeepLast(3)]")
+        for r in retention:
+            if not callable(getattr(r, "keep", None)):
+                raise InvalidArgumentError(
+                    f"retention holds a {type(r).__name__}, which has no keep(checkpoints); "
+                    "use policies such as pitstop.KeepLast(3), pitstop.KeepBest(2, 'loss')")
+    if on_save is not None and not callable(on_save):
+        raise InvalidArgumentError(f"on_save must be callable (it gets each save's SaveStats), "
+                                   f"got {type(on_save).__name__}")
 
 
 def _step_arg(step: Any) -> int:

@@ -122,10 +122,12 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ recovery
     def candidates(self) -> list[tuple[dict[str, Any], str]]:
-        """Sealed snapshots of this directory, newest first (meta, buffer path)."""
+        """Described snapshots of this directory, newest first (meta, buffer path): under
+        this directory's own prefix, and under the prefix of a path this directory was
+        moved from (same id; the path it was written for no longer exists)."""
         out = []
-        for meta_path in glob.glob(f"{self.prefix}-*.json"):
-            if not _SLOT.match(meta_path[len(self.prefix):]):
+        for meta_path in self._descriptions():
+            if not _SLOT.match(meta_path[meta_path.rindex("-"):]):
                 continue
             try:
                 with open(meta_path) as f:
@@ -138,6 +140,22 @@ class MemoryTier:
         out.sort(key=lambda mb: -_step_of(mb[0]))
         return out
 
+    def _descriptions(self) -> list[str]:
+        own = glob.glob(f"{glob.escape(self.prefix)}-*.json")
+        moved = []
+        for path in glob.glob(os.path.join(glob.escape(self.root),
+                                           f"pitstop-{glob.escape(self.directory_id)}-*.json")):
+            if path.startswith(self.prefix + "-"):
+                continue
+            try:
+                with open(path) as f:
+                    written_for = json.load(f).get("directory")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(written_for, str) and not os.path.exists(written_for):
+                moved.append(path)
+        return own + moved
+
     def trusted(self, meta: dict[str, Any], newest_committed: int | None) -> str | None:
         """None when ``meta`` may be used, else the reason it may not."""
         why = malformed(meta)
@@ -145,7 +163,12 @@ class MemoryTier:
             return why
         if meta.get("host") != socket.gethostname() or meta.get("boot_id") != boot_id():
             return "written on another host or before a reboot"
-        if meta.get("directory") != self.directory or meta.get("directory_id") != self.directory_id:
+        if meta.get("directory_id") != self.directory_id:
+            return "written for another checkpoint directory"
+        if meta.get("directory") != self.directory and (
+                not isinstance(meta.get("directory"), str) or os.path.exists(meta["directory"])):
+            # a copy of this directory (same id) elsewhere: never use or touch its snapshot;
+            # only a directory that was moved here (its old path is gone) takes it over
             return "written for another checkpoint directory"
         if meta.get("committed"):
             return "already committed to disk"
@@ -161,9 +184,15 @@ class MemoryTier:
         return StagingBuffer.attach(layout, buf_path)
 
     def files(self) -> list[str]:
-        """This directory's tier files: only names the tier itself makes."""
-        return sorted(p for p in glob.glob(f"{self.prefix}-*")
-                      if _FILE.match(p[len(self.prefix):]))
+        """This directory's tier files (also those written under a path it was moved from):
+        only names the tier itself makes."""
+        out = [p for p in glob.glob(f"{glob.escape(self.prefix)}-*")
+               if _FILE.match(p[len(self.prefix):])]
+        for meta_path in self._descriptions():
+            if not meta_path.startswith(self.prefix + "-"):
+                base = meta_path[: -len(".json")]
+                out += [x for x in (base + ".buf", meta_path) if os.path.exists(x)]
+        return sorted(set(out))
 
     def remove_all(self, keep: set[str] | None = None) -> None:
         for path in self.files():

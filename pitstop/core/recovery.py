@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import Engine, PersistJob, SaveHandle, SaveStats
+from .engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
 from .errors import CheckpointError
 from .manifest import ArrayEntry, Manifest
 from .memtier import MemoryTier
@@ -34,16 +34,18 @@ class Recovered:
 
 
 def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
-            newest_committed: int | None) -> Recovered | None:
-    """Adopt the newest trusted snapshot of ``tier`` and submit its persist; delete the rest."""
+            newest_committed: int | None) -> list[Recovered]:
+    """Adopt every trusted snapshot of ``tier`` newer than what is committed (oldest first;
+    with ``max_in_flight`` > 1 a crash can leave several, each a save that had returned),
+    submit their persists, and delete the rest."""
     keep: set[str] = set()
-    recovered: Recovered | None = None
-    for meta, buf_path in tier.candidates():
+    recovered: list[Recovered] = []
+    for meta, buf_path in reversed(tier.candidates()):  # oldest first: commit in order
         why = tier.trusted(meta, newest_committed)
         if why is not None:
             log.info("pitstop: ignoring memory-tier snapshot %s: %s", buf_path, why)
             continue
-        if recovered is not None:
+        if any(r.step == meta["step"] for r in recovered):
             continue
         try:
             buf = tier.open_buffer(meta, buf_path)
@@ -57,6 +59,9 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
                 "memory-tier")
             if meta["hashes"] is not None:
                 reader.verify()
+            if meta.get("check_finite") and not buffer_is_finite(buf):
+                # the non-finite guard would have skipped it: never resume from it
+                raise ValueError("an array holds NaN or Inf (non-finite guard)")
         except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("pitstop: memory-tier snapshot of step %s is unusable: %s",
                         meta.get("step"), e)
@@ -76,7 +81,7 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
                          check_finite=bool(meta.get("check_finite")))
         job.release_buffer = False  # restore() may still read it; released by the manager
         engine.submit(job)
-        recovered = Recovered(buf, reader, step, handle)
+        recovered.append(Recovered(buf, reader, step, handle))
     tier.remove_all(keep=keep)
     return recovered
 

@@ -57,13 +57,16 @@ class SignalSaver:
         _savers.add(self)
 
     def _install(self, names: Iterable[str | int] | None) -> None:
-        if not names:
+        signums = check_signals(names)
+        if not signums:
             return
         if threading.current_thread() is not threading.main_thread():
-            log.debug("pitstop: not on the main thread; signal saves are off")
+            log.warning("pitstop: this CheckpointManager was created on a thread other than "
+                        "the main one, where Python lets no one install signal handlers: "
+                        "SIGTERM/SIGINT do not save. Create it on the main thread (it may be "
+                        "used from others), or pass save_on_signals=None to silence this.")
             return
-        for n in names:
-            signum = _signum(n)
+        for signum in signums:
             previous = signal.getsignal(signum)
             if previous is signal.SIG_IGN:
                 continue
@@ -83,6 +86,13 @@ class SignalSaver:
             # asked twice: the user means it, act now (also while the first save persists)
             self.abandoned = True
             self.exit_like(signum)
+        first = self.handling if self.handling is not None else self.pending
+        if first is not None and signal_name(first) not in CONTINUE_SIGNALS and \
+                signal_name(signum) not in CONTINUE_SIGNALS:
+            # another stop request while one is noted or its save runs (SIGINT after
+            # SIGTERM): the user insists; leave now, as the first one asks
+            self.abandoned = True
+            self.exit_like(first)
         self.pending = signum
         self.received_at = time.monotonic()
         log.warning("pitstop: %s received; saving at the next step boundary",
@@ -119,9 +129,9 @@ class SignalSaver:
 
     def retire(self) -> None:
         """Put the previous handlers back (where this thread may); from now on pitstop's
-        handler, if still installed, behaves as the previous one."""
+        handler, if still installed, behaves as the previous one. A signal noted before
+        stays in ``pending`` for the caller to act on."""
         self.active = False
-        self.pending = None
         if threading.current_thread() is threading.main_thread():
             self._put_back()
 
@@ -140,20 +150,45 @@ class SignalSaver:
                 pass
 
 
-def _signum(name: str | int) -> int:
+def check_signals(names: Iterable[str | int] | None) -> list[int]:
+    """The signal numbers of ``save_on_signals``, every one checked before any is installed:
+    known, and one a handler can catch (not SIGKILL or SIGSTOP)."""
     from .errors import InvalidArgumentError
-    if isinstance(name, str):
-        value = getattr(signal, name, None)
-        if not isinstance(value, int) or not name.startswith("SIG") or name.startswith("SIG_"):
-            raise InvalidArgumentError(f"save_on_signals: unknown signal {name!r} (use names "
-                                       "such as 'SIGTERM', or numbers)")
-        return int(value)
-    if isinstance(name, bool) or not isinstance(name, int):
-        raise InvalidArgumentError(f"save_on_signals: {name!r} is not a signal name or number")
-    return int(name)
+    if names is None:
+        return []
+    if isinstance(names, (str, int)):
+        names = [names]
+    out = []
+    for name in names:
+        if isinstance(name, str):
+            value = getattr(signal, name, None)
+            if not isinstance(value, int) or not name.startswith("SIG") or \
+                    name.startswith("SIG_"):
+                raise InvalidArgumentError(f"save_on_signals: unknown signal {name!r} (use "
+                                           "names such as 'SIGTERM', or numbers)")
+            signum = int(value)
+        elif isinstance(name, int) and not isinstance(name, bool):
+            signum = int(name)
+        else:
+            raise InvalidArgumentError(f"save_on_signals: {name!r} is not a signal name or "
+                                       "number")
+        if signum not in signal.valid_signals() or signum in _UNCATCHABLE:
+            raise InvalidArgumentError(
+                f"save_on_signals: {name!r} cannot be caught by a handler (SIGKILL and SIGSTOP "
+                "never can); pitstop saves on signals such as SIGTERM, SIGINT, SIGUSR1")
+        out.append(signum)
+    return out
+
+
+_UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 
 
 def _default_action(signum: int) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        # only the main thread may change handlers: send the signal again; the main thread
+        # runs the (now previous) handler, which ends the process as the signal asks
+        os.kill(os.getpid(), signum)
+        return
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     time.sleep(1)  # the signal is delivered at once; this is never reached in practice
@@ -166,4 +201,5 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["SignalSaver", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS", "signal_name"]
+__all__ = ["SignalSaver", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS", "signal_name",
+           "check_signals"]

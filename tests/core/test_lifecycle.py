@@ -193,7 +193,10 @@ def test_a_rolled_back_run_never_mixes_with_the_abandoned_one(tmp_path, caplog):
         assert mgr.all_steps() == [0, 10, 20, 30, 40]
         state = state_of(-1)
         assert mgr.restore(state, step=20) == 20
-        assert mgr.latest_step() == 40  # nothing moved until the new run saves
+        # the run goes on from 20: this manager no longer names the abandoned steps ...
+        assert mgr.latest_step() == 20 and mgr.all_steps() == [0, 10, 20]
+        # ... which stay on disk until the run's first step() or save()
+        assert (d / step_name(40)).is_dir()
         # the run continues from 20, with other values (another data order, say)
         for s in range(21, 36):
             h = mgr.step(s, state_of(1000 + s))
@@ -443,3 +446,269 @@ def test_after_fork_signal_handlers_are_the_programs_own(tmp_path):
     assert "CHILD 42" in r.stdout
     assert "SIGINT received" not in r.stderr
 
+
+
+# ------------------------------------------------------------------ found by probing (issue 9)
+def _run(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-c", textwrap.dedent(code), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          start_new_session=True)
+
+
+def test_a_save_the_guard_skipped_never_comes_back_from_the_memory_tier(tmp_path):
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], nonfinite_guard=True,
+                                        save_on_signals=None)
+        state = {"w": np.ones(1000)}
+        mgr.save(10, state).wait()
+        state["w"][5] = np.nan
+        if sys.argv[2] == "skipped":
+            assert mgr.save(20, state).result().skipped
+        else:  # killed before the guard looked at it: described, not yet checked
+            mgr.hooks["before_persist"] = lambda step: time.sleep(60)
+            mgr.save(20, state)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    for case in ("skipped", "unchecked"):
+        d = tmp_path / case
+        r = _run(code, d, case)
+        assert r.returncode == -9, r.stderr
+        with open_mgr(d, nonfinite_guard=True, memory_tier=None) as mgr:
+            state = {"w": np.zeros(1000)}
+            assert mgr.latest_step() == 10 and mgr.restore(state) == 10, case
+            assert not np.isnan(state["w"]).any()
+            mgr.wait()
+            assert mgr.all_steps() == [10], case
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float16"])
+def test_the_non_finite_guard_sees_nan_in_low_precision_floats(tmp_path, dtype):
+    import ml_dtypes
+    dt = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    with open_mgr(tmp_path / "ck", nonfinite_guard=True) as mgr:
+        mgr.save(1, {"w": np.ones(4, dt)}).wait()
+        bad = np.ones(4, dt)
+        bad[2] = np.nan
+        assert mgr.save(2, {"w": bad}).result(timeout=30).skipped
+        assert mgr.all_steps() == [1]
+
+
+def test_the_final_step_recipe_after_going_back_to_an_older_step(tmp_path):
+    """restore(step=N), train on with step() to the last step (no periodic save due), then
+    the documented `if mgr.latest_step() != last: mgr.save(last, state)`: the new run's last
+    state is what a restart restores."""
+    d = tmp_path / "ck"
+    with open_mgr(d) as mgr:  # run A
+        for s in (500, 999):
+            mgr.save(s, {"w": np.full(4, float(s)), "run": "A"}).wait()
+    state = {"w": np.zeros(4), "run": "?"}
+    with open_mgr(d, save_every_steps=1000) as mgr:  # run B
+        assert mgr.restore(state, step=500) == 500
+        assert mgr.latest_step() == 500
+        state["run"] = "B"
+        for step in range(501, 1000):
+            mgr.step(step, state)
+        if mgr.latest_step() != 999:
+            mgr.save(999, state)
+    with open_mgr(d) as mgr:
+        check = {"w": np.zeros(4), "run": "?"}
+        assert mgr.restore(check) == 999 and check["run"] == "B"
+
+
+def test_a_manager_collected_on_its_own_thread_still_commits_and_lets_go(tmp_path):
+    """A manager in a reference cycle, dropped mid-save, collected by the GC on pitstop's
+    persist thread: no deadlock; the save commits, the lock is released."""
+    code = """
+        import gc, sys, threading, time, numpy as np, pitstop
+        d = sys.argv[1]
+        class Trainer:
+            def __init__(self):
+                self.mgr = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
+                self.mgr.trainer = self        # a cycle, as in many trainer classes
+        t = Trainer()
+        t.mgr.hooks["before_write"] = lambda step: gc.collect()  # GC on the persist thread
+        t.mgr.save(1, {"w": np.ones(1000)})
+        del t
+        deadline = time.time() + 30
+        while any(th.name == "pitstop-persist" for th in threading.enumerate()):
+            assert time.time() < deadline, "the persist thread never ended"
+            time.sleep(0.05)
+        again = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
+        print("STEPS", again.all_steps())
+        again.close()
+    """
+    r = _run(code, tmp_path / "ck", timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert "STEPS [1]" in r.stdout
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_a_multiprocessing_worker_commits_its_saves_when_it_leaves(tmp_path, method):
+    code = """
+        import multiprocessing as mp, sys, time, numpy as np, pitstop
+        MGR = None
+        def work(d):
+            global MGR
+            MGR = pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None)
+            MGR.hooks["before_write"] = lambda s: time.sleep(0.3)
+            MGR.save(1, {"w": np.ones(1000)})   # and the worker returns: no close()
+        if __name__ == "__main__":
+            p = mp.get_context(sys.argv[2]).Process(target=work, args=(sys.argv[1],))
+            p.start(); p.join()
+            with pitstop.CheckpointManager(sys.argv[1], read_only=True) as ro:
+                print("EXIT", p.exitcode, "STEPS", ro.all_steps())
+    """
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    r = subprocess.run([PY, str(script), str(tmp_path / "ck"), method], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "EXIT 0 STEPS [1]" in r.stdout, r.stdout + r.stderr
+
+
+def test_two_saves_in_flight_both_survive_a_kill(tmp_path):
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], max_in_flight=2, save_on_signals=None)
+        mgr.hooks["before_write"] = lambda step: time.sleep(60)
+        mgr.save(10, {"w": np.full(1000, 10.0)})
+        mgr.save(11, {"w": np.full(1000, 11.0)})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    d = tmp_path / "ck"
+    assert _run(code, d).returncode == -9
+    with open_mgr(d, memory_tier=None, keep_every_steps=10) as mgr:
+        assert mgr.all_steps() == [10, 11]
+        mgr.wait()
+        assert mgr._committed() == [10, 11]
+        assert float(mgr.load(10)["w"][0]) == 10.0 and float(mgr.load(11)["w"][0]) == 11.0
+
+
+def test_a_writer_whose_directory_was_replaced_never_writes_into_the_new_one(tmp_path):
+    import shutil
+    d = tmp_path / "ck"
+    old = open_mgr(d)
+    try:
+        old.save(1, state_of(1)).wait()
+        shutil.rmtree(d)
+        new = open_mgr(d)  # the path is free: a new run takes it
+        try:
+            new.save(5, state_of(5)).wait()
+            with pytest.raises(pitstop.CheckpointWriteError, match="deleted or replaced"):
+                old.save(7, state_of(7)).wait()
+            assert new.all_steps() == [5]
+        finally:
+            new.close()
+    finally:
+        old.close()  # the failure was reported by its handle, once
+
+
+def test_a_moved_run_directory_recovers_its_memory_tier_snapshot(tmp_path):
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], save_on_signals=None)
+        mgr.save(1, {"w": np.full(100, 1.0)}).wait()
+        mgr.hooks["before_write"] = lambda step: time.sleep(60)
+        mgr.save(2, {"w": np.full(100, 2.0)})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    d = tmp_path / "ck"
+    assert _run(code, d).returncode == -9
+    moved = tmp_path / "moved"
+    os.rename(d, moved)
+    with open_mgr(moved, memory_tier=None) as mgr:
+        state = {"w": np.zeros(100)}
+        assert mgr.restore(state) == 2 and float(state["w"][0]) == 2.0
+    assert not tier_files(moved)  # recovered, persisted, and cleaned up on close
+
+
+def test_close_racing_a_save_on_another_thread_leaves_nothing_hanging(tmp_path):
+    for trial in range(5):
+        d = tmp_path / f"ck{trial}"
+        mgr = pitstop.CheckpointManager(d, save_on_signals=None)
+        started = threading.Event()
+        box: dict = {}
+        t = threading.Thread(target=_save_into, args=(mgr, started, box))
+        t.start()
+        assert started.wait(10)
+        mgr.close()
+        t.join(30)
+        assert not t.is_alive()
+        if "h" in box:  # taken before close(): committed by it
+            assert box["h"].wait(10) and box["h"].committed
+        else:
+            assert "closed" in str(box["e"])
+        assert not tier_files(d)
+
+
+def test_bad_arguments_found_by_probing_are_refused(tmp_path):
+    with pytest.raises(pitstop.InvalidArgumentError, match="NUL"):
+        pitstop.CheckpointManager(str(tmp_path / "a\0b"))
+    with pytest.raises(pitstop.InvalidArgumentError, match="save_policy"):
+        pitstop.CheckpointManager(tmp_path / "c", save_policy=object())
+    with pytest.raises(pitstop.InvalidArgumentError, match="retention"):
+        pitstop.CheckpointManager(tmp_path / "c", retention=[object()])
+    with pytest.raises(pitstop.InvalidArgumentError, match="on_save"):
+        pitstop.CheckpointManager(tmp_path / "c", on_save=42)
+    with pytest.raises(pitstop.InvalidArgumentError, match="SIGKILL"):
+        pitstop.CheckpointManager(tmp_path / "c", save_on_signals=["SIGTERM", "SIGKILL"])
+    assert signal_is_default("SIGTERM")  # nothing left installed by a refused constructor
+    assert not (tmp_path / "c").exists()  # and nothing written
+    with open_mgr(tmp_path / "ok") as mgr:
+        h = mgr.save(1, state_of(1))
+        with pytest.raises(pitstop.InvalidArgumentError, match="timeout"):
+            mgr.wait(timeout="x")
+        with pytest.raises(pitstop.InvalidArgumentError, match="timeout"):
+            h.wait(timeout="x")
+
+
+def signal_is_default(name: str) -> bool:
+    import signal as sig
+    return sig.getsignal(getattr(sig, name)) in (sig.SIG_DFL, sig.default_int_handler)
+
+
+def test_rollback_without_checked_checkpoints_says_so(tmp_path):
+    with open_mgr(tmp_path / "ck") as mgr:
+        assert mgr.rollback(state_of(0)) is None  # nothing saved: nothing to restore
+        mgr.save(1, state_of(1)).wait()
+        with pytest.raises(pitstop.CheckpointNotFoundError, match="nonfinite_guard"):
+            mgr.rollback(state_of(0))
+
+
+def test_latest_step_names_a_save_the_moment_save_returns(tmp_path):
+    with open_mgr(tmp_path / "ck", keep_last=2) as mgr:
+        for s in range(300):
+            mgr.save(s, {"w": np.full(8, float(s))})
+            assert mgr.latest_step() == s
+
+
+def test_two_threads_saving_the_same_step_one_is_refused_at_once(tmp_path):
+    for trial in range(10):
+        with open_mgr(tmp_path / f"ck{trial}") as mgr:
+            results: list = []
+            barrier = threading.Barrier(2)
+            threads = [threading.Thread(target=_save_step_1, args=(mgr, barrier, results))
+                       for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert sum(isinstance(r, pitstop.StepExistsError) for r in results) == 1
+            mgr.wait()  # no failure in the background
+
+
+def _save_into(mgr, started, box) -> None:
+    started.set()
+    try:
+        box["h"] = mgr.save(1, state_of(1))
+    except pitstop.CheckpointError as e:
+        box["e"] = e
+
+
+def _save_step_1(mgr, barrier, results) -> None:
+    barrier.wait()
+    try:
+        results.append(mgr.save(1, state_of(1)))
+    except pitstop.StepExistsError as e:
+        results.append(e)

@@ -377,9 +377,9 @@ def _mount_tmpfs(path, size: str, ro: bool = False) -> bool:
                           capture_output=True).returncode == 0
 
 
-def _assert_fallback_warning(text: str) -> None:
-    for part in ("memory tier cannot hold", "16.0 MiB", "--shm-size", "medium: Memory",
-                 "memory_tier=False"):
+def _assert_fallback_warning(text: str, fix: tuple[str, ...] = ("--shm-size",
+                                                               "medium: Memory")) -> None:
+    for part in ("memory tier cannot hold", "16.0 MiB", "memory_tier=False", *fix):
         assert part in text, (part, text)
 
 
@@ -398,7 +398,8 @@ def test_a_small_tier_never_stops_a_save(tmp_path, caplog, ro):
             assert mgr.save(2, state).result(timeout=60).committed
             texts = [str(w.message) for w in seen if "memory tier" in str(w.message)]
             assert len(texts) == 1
-            _assert_fallback_warning(texts[0])
+            _assert_fallback_warning(texts[0], ("not writable",) if ro else (
+                "--shm-size", "medium: Memory"))
             assert "8.0 MiB" in texts[0]
             assert sum("memory tier cannot hold" in r.getMessage()
                        for r in caplog.records) == 1  # once, not per save
@@ -432,7 +433,7 @@ def test_a_file_size_limit_on_the_tier_never_stops_a_save(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "true"
-    _assert_fallback_warning(r.stderr)
+    _assert_fallback_warning(r.stderr, ("ulimit -f",))
     assert "File too large" in r.stderr or "Errno 27" in r.stderr
     assert os.listdir(tier) == []
     with pitstop.CheckpointManager(tmp_path / "ckpt", read_only=True) as ro:
@@ -464,3 +465,26 @@ def test_no_memory_for_the_staging_buffer_is_a_checkpoint_error(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ERROR CheckpointError"), r.stdout + r.stderr
     assert "staging buffer" in r.stdout and "256.0 MiB" in r.stdout
+
+
+def test_a_tier_that_fills_up_later_never_fails_a_save(tmp_path, caplog):
+    mnt = tmp_path / "tier"
+    if not _mount_tmpfs(mnt, "4m"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        caplog.set_level(logging.WARNING, logger="pitstop")
+        state = {"w": np.arange(256 << 10, dtype=np.float32)}  # 1 MiB: the buffer fits
+        with open_mgr(tmp_path / "ckpt", memory_tier=str(mnt), keep_last=1) as mgr:
+            assert mgr.save(1, state).result(timeout=60).committed
+            filler = mnt / "filler"  # another program's shared memory takes the rest
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"],
+                           capture_output=True)
+            for step in (2, 3):
+                assert mgr.save(step, state).result(timeout=60).committed
+            mgr.wait()
+            assert mgr.all_steps() == [3]  # retention saw every commit
+            filler.unlink()
+        assert any("description could not be written" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

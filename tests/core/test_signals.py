@@ -320,3 +320,154 @@ def test_sigterm_after_the_last_step_is_acted_on_at_close(tmp_path, children):
     # deferred, not swallowed: close() (leaving the with block) delivers it
     assert rc == -signal.SIGTERM, c.stderr
     assert "DONE" not in c.lines
+
+
+# ------------------------------------------------------------------ found by probing (issue 9)
+def _run_job(code: str, *args: str, signal_after: str | None = None, signum: int = 0,
+             timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``code``; when it prints ``signal_after``, send it ``signum``."""
+    p = subprocess.Popen([PY, "-c", textwrap.dedent(code), *map(str, args)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         start_new_session=True)
+    try:
+        if signal_after is not None:
+            while True:
+                line = p.stdout.readline()
+                assert line, f"ended before {signal_after!r}: {p.stderr.read()}"
+                if line.strip() == signal_after:
+                    break
+            p.send_signal(signum)
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, err
+
+
+def test_a_signal_during_close_is_acted_on_after_the_saves_commit(tmp_path):
+    code = """
+        import sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        def slow(step):
+            print("PERSISTING", flush=True)
+            time.sleep(1.5)
+        mgr.hooks["before_write"] = slow
+        mgr.save(1, {"w": np.ones(1000)})
+        mgr.close()
+        print("ALIVE AFTER CLOSE", flush=True)
+        time.sleep(5)
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck", signal_after="PERSISTING",
+                            signum=signal.SIGTERM)
+    assert rc == -signal.SIGTERM, out + err
+    assert "ALIVE AFTER CLOSE" not in out
+    assert committed_steps(tmp_path / "ck") == [1]
+
+
+def test_sigterm_is_honoured_when_its_own_save_fails(tmp_path):
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        state = {"w": np.zeros(100)}
+        mgr.save(0, state).wait()
+        def full(step):
+            raise OSError(28, "No space left on device")
+        mgr.hooks["before_write"] = full
+        os.kill(os.getpid(), signal.SIGTERM)       # a preemption notice, then the disk fills
+        for step in range(1, 100):
+            time.sleep(0.01)
+            try:
+                mgr.step(step, state)
+            except pitstop.CheckpointError:
+                print("TRAINING ON", flush=True)   # a loop that tolerates checkpoint errors
+        print("LOOP ENDED", flush=True)
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck")
+    assert rc == -signal.SIGTERM, out + err
+    assert "LOOP ENDED" not in out and "exiting as the signal asks without it" in err
+
+
+def test_sigterm_reaches_a_training_loop_on_another_thread(tmp_path):
+    code = """
+        import os, signal, sys, threading, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        state = {"w": np.zeros(100)}
+        def train():
+            for step in range(200):
+                state["w"] += 1
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.3)
+                mgr.step(step, state)
+                time.sleep(0.02)
+            print("LOOP ENDED", flush=True)
+        t = threading.Thread(target=train)
+        t.start()
+        while t.is_alive():
+            t.join(0.1)
+        time.sleep(3)
+        print("STILL ALIVE", flush=True)
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck")
+    assert rc == -signal.SIGTERM, out + err
+    assert "STILL ALIVE" not in out and "LOOP ENDED" not in out
+    assert committed_steps(tmp_path / "ck") == [3]
+
+
+def test_a_loop_that_only_calls_save_acts_on_sigterm_at_the_next_save(tmp_path):
+    code = """
+        import sys, time, numpy as np, pitstop
+        with pitstop.CheckpointManager(sys.argv[1], memory_tier=False) as mgr:
+            state = {"w": np.zeros(10)}
+            for step in range(10_000):
+                state["w"] += 1
+                time.sleep(0.01)
+                if step == 5:
+                    print("RUNNING", flush=True)
+                if step % 10 == 0:
+                    mgr.save(step, state)
+            print("LOOP ENDED", flush=True)
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck", signal_after="RUNNING",
+                            signum=signal.SIGTERM)
+    assert rc == -signal.SIGTERM, out + err
+    assert "LOOP ENDED" not in out
+    assert committed_steps(tmp_path / "ck")[-1] == 10  # the first save after the signal
+
+
+def test_sigint_while_sigterms_save_runs_leaves_as_sigterm_asks(tmp_path):
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        def slow(step):
+            print("PERSISTING", flush=True)
+            time.sleep(30)
+        state = {"w": np.zeros(10)}
+        os.kill(os.getpid(), signal.SIGTERM)
+        mgr.hooks["before_write"] = slow
+        mgr.step(1, state)
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck", signal_after="PERSISTING",
+                            signum=signal.SIGINT)
+    assert rc == -signal.SIGTERM, out + err
+
+
+def test_a_handle_cannot_be_waited_for_in_a_forked_child(tmp_path):
+    code = """
+        import os, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False, save_on_signals=None)
+        mgr.hooks["before_write"] = lambda step: time.sleep(1)
+        h = mgr.save(1, {"w": np.ones(10)})
+        pid = os.fork()
+        if pid == 0:
+            try:
+                h.wait(timeout=30)
+                os._exit(1)
+            except pitstop.CheckpointError as e:
+                os._exit(42 if "belongs to process" in str(e) else 2)
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+        mgr.close()
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck")
+    assert rc == 0 and "CHILD 42" in out, out + err

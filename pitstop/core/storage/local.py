@@ -193,10 +193,29 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def move_aside(self, name: str, reason: str) -> str:
-        """Move a checkpoint aside (kept for inspection, no longer listed)."""
+    def move_aside(self, name: str, reason: str, wait_s: float = 30.0) -> str:
+        """Move a checkpoint aside (kept for inspection, no longer listed); waits up to
+        ``wait_s`` for readers holding its read lease (``pitstop verify``) to finish."""
         new = aside_name(name, reason, int(time.time()), uuid.uuid4().hex[:4])
-        os.rename(os.path.join(self.location, name), os.path.join(self.location, new))
+        try:
+            fd = os.open(os.path.join(self.location, name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = None  # no readable manifest (a corrupt checkpoint): nobody can lease it
+        try:
+            if fd is not None:
+                deadline = time.monotonic() + wait_s
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except OSError:
+                        if time.monotonic() >= deadline:
+                            break  # a reader that never ends must not block training
+                        time.sleep(0.05)
+            os.rename(os.path.join(self.location, name), os.path.join(self.location, new))
+        finally:
+            if fd is not None:
+                os.close(fd)
         if self.durable:
             fsync_dir(self.location)
         return new
@@ -298,12 +317,33 @@ class LocalStorage(Storage):
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
-        return _Lock(fd)
+        self._held = _Lock(fd, path)
+        return self._held
+
+    def verify_held(self) -> None:
+        """Raise when the lock this storage holds is no longer the directory's lock: the
+        directory was deleted or replaced under it (another writer may own the path now)."""
+        held = getattr(self, "_held", None)
+        if held is None or held.fd is None:
+            return
+        try:
+            now = os.stat(held.path)
+            mine = os.fstat(held.fd)
+        except OSError as e:
+            raise DirectoryLockedError(
+                f"checkpoint directory {self.location} was deleted or replaced while this "
+                f"writer held it ({e}); nothing more is saved there by this manager") from None
+        if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            raise DirectoryLockedError(
+                f"checkpoint directory {self.location} was deleted or replaced while this "
+                "writer held it (its lock file is another one now); nothing more is saved "
+                "there by this manager, so it cannot mix with another run's checkpoints")
 
 
 class _Lock:
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, path: str = "") -> None:
         self.fd: int | None = fd
+        self.path = path
         _held.add(self)
 
     def release(self) -> None:
