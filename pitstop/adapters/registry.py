@@ -11,6 +11,7 @@ and, optionally::
     check(obj, tree) -> None      # refuse a restore before any byte reaches a live object
     caveats(obj) -> list[str]     # what capture cannot make exact, and the fix
     replace_on_mismatch = True    # restore behaves like load_state_dict: replace, not match
+    replaceable(obj) -> keys      # entries of the captured dict that may differ in shape
 
 ``check`` gets the checkpoint's subtree for ``obj`` with every array as a
 :class:`pitstop.core.tree.ArraySpec` (shape and dtype, no data) and every value decoded; it
@@ -21,7 +22,10 @@ shows it), so nothing resumes wrong in silence. With ``replace_on_mismatch`` set
 checkpoint subtree whose keys, shapes or dtypes differ from the captured one is not an
 error: ``apply`` gets the checkpoint's subtree with fresh numpy arrays, as
 ``load_state_dict`` would get a loaded state dict; where they match, arrays are restored
-in place as usual.
+in place as usual. ``replaceable`` names top-level keys of the captured dict whose entry may
+differ from the checkpoint's in shape, dtype or kind (a module's extra state, a quantization
+observer's buffers that its own ``load_state_dict`` resizes): such an entry is read fresh
+from the checkpoint and put into the tree ``apply`` gets, instead of being refused.
 
 Framework adapters are imported lazily, the first time an object of that framework shows
 up, so ``import pitstop`` imports no framework. Objects with ``state_dict()`` /

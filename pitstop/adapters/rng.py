@@ -164,11 +164,15 @@ class NumpyGeneratorAdapter:
     def check(self, obj: Any, tree: Any) -> None:
         bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
         saved = tree.get("bit_generator") if isinstance(tree, dict) else None
+        if not isinstance(saved, str):
+            raise IncompatibleTargetError(
+                "the checkpoint does not hold a numpy generator's state here (another kind of "
+                "generator was saved under this key); restore into the kind that was saved")
         if saved != type(bg).__name__:
             raise IncompatibleTargetError(
-                f"the checkpoint holds the state of a {saved or 'different'} bit generator, "
-                f"the target draws from a {type(bg).__name__}; create it as "
-                f"np.random.Generator(np.random.{saved}()) to resume its stream")
+                f"the checkpoint holds the state of a {saved} bit generator, the target draws "
+                f"from a {type(bg).__name__}; create it as np.random.Generator("
+                f"np.random.{saved}()) to resume its stream")
 
 
 class RandomStateAdapter:

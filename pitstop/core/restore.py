@@ -34,7 +34,16 @@ import numpy as np
 from .dtypes import decode_dtype
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from .manifest import ArrayEntry, Manifest
-from .tree import ArraySpec, FlatState, NumpyLeaf, decode_value, encode_value, split, unflatten
+from .tree import (
+    ArraySpec,
+    FlatState,
+    NumpyLeaf,
+    decode_value,
+    encode_value,
+    join,
+    split,
+    unflatten,
+)
 
 if TYPE_CHECKING:
     from .reader import CheckpointReader
@@ -130,6 +139,10 @@ class RestorePlan:
         self.replaced: dict[str, Any] = {}
         #: adapter paths left out entirely (strict=False and the adapter refused)
         self.skipped_adapters: set[str] = set()
+        #: entries an adapter lets differ (``replaceable``): key -> (node, key in its
+        #: subtree); read fresh from the checkpoint and handed to its ``apply``
+        self.leaf_replaced: dict[str, tuple[Any, Any]] = {}
+        self.leaf_fresh: dict[str, Any] = {}
         #: numpy-scalar keys whose checkpoint string length differs (replaced anyway)
         self.resized: set[str] = set()
         #: numpy scalars read (as 0-d arrays), put back as scalars in the apply phase
@@ -158,9 +171,13 @@ class RestorePlan:
         def in_replaced(key: str) -> bool:
             return bool(replaced) and any(_is_under(key, p) for p in replaced)
 
+        replaceable = self._replaceable()
         r = self.report
         for key in flat.values:
             if in_replaced(key) or key in ck.set or not ck.under(key):
+                continue
+            if key in replaceable:
+                self._replace_leaf(key, replaceable[key])
                 continue
             live = self._live(key)
             if isinstance(live, (Mapping, list, tuple)) and not live:
@@ -181,7 +198,9 @@ class RestorePlan:
                 continue
             e = m.arrays.get(key)
             if e is None:
-                if key in m.values:
+                if key in m.values and key in replaceable:
+                    self._replace_leaf(key, replaceable[key])
+                elif key in m.values:
                     self._mismatch(key, "an array in the target, a value in the checkpoint")
                 else:
                     r.missing_keys.append(key)
@@ -192,12 +211,18 @@ class RestorePlan:
                     and dtype.kind in "US" and not e.shape):
                 self.resized.add(key)  # np.str_ / np.bytes_ of another length: replaced anyway
             elif tuple(e.shape) != tuple(leaf.shape) or dtype != leaf.dtype:
-                self._mismatch(key, f"checkpoint {dtype}{list(e.shape)}, "
-                                    f"target {leaf.dtype}{list(leaf.shape)}")
+                if key in replaceable:
+                    self._replace_leaf(key, replaceable[key])
+                else:
+                    self._mismatch(key, f"checkpoint {dtype}{list(e.shape)}, "
+                                        f"target {leaf.dtype}{list(leaf.shape)}")
         for key in flat.values:
             if in_replaced(key) or key in self.rebuilt or key in self.bad:
                 continue
             if key in m.arrays and key not in m.values:
+                if key in replaceable:
+                    self._replace_leaf(key, replaceable[key])
+                    continue
                 self._mismatch(key, "a value in the target, an array in the checkpoint")
             elif key not in m.values:
                 r.missing_keys.append(key)
@@ -208,6 +233,24 @@ class RestorePlan:
             raise IncompatibleTargetError(
                 describe_mismatch(self.where, r, target, ck), missing=r.missing_keys,
                 unexpected=r.unexpected_keys, mismatched=r.mismatched_keys)
+
+    def _replaceable(self) -> dict[str, tuple[Any, Any]]:
+        """Entries adapters let differ from the checkpoint (e.g. a module's extra state, an
+        observer's buffers that its own load_state_dict resizes): full key -> (node, key)."""
+        out: dict[str, tuple[Any, Any]] = {}
+        for path, node in self.flat.adapters:
+            fn = getattr(node.adapter, "replaceable", None)
+            tree = node.tree
+            if fn is None or not isinstance(tree, MutableMapping):
+                continue
+            for k in fn(node.obj):
+                if k in tree:
+                    out[join(path, k)] = (node, k)
+        return out
+
+    def _replace_leaf(self, key: str, where: tuple[Any, Any]) -> None:
+        self.leaf_replaced[key] = where
+        self.bad.add(key)  # not streamed in place: read fresh, handed to the adapter
 
     def _live(self, key: str) -> Any:
         parent = self.flat.parents.get(key)
@@ -448,6 +491,8 @@ class RestorePlan:
             self.rebuilt[p] = self.subtree(p, reader.read_array)
         for p in self.replaced:
             self.replaced[p] = self.subtree(p, reader.read_array)
+        for key in self.leaf_replaced:
+            self.leaf_fresh[key] = self.subtree(key, reader.read_array)
         skip = self._skip()
         for key in flat.scalars:
             if key not in m.arrays or key in skip:
@@ -579,6 +624,8 @@ class RestorePlan:
         except Exception as e:  # noqa: BLE001 - reported with what was already restored
             raise self._partly(f"putting the values back failed ({type(e).__name__}: {e})",
                                applied, []) from e
+        for key, (node, k) in self.leaf_replaced.items():
+            node.tree[k] = self.leaf_fresh[key]
         done: list[str] = []
         for path, node in flat.adapters:
             if path in self.skipped_adapters or any(
@@ -654,6 +701,10 @@ def merge(live: Any, new: Any) -> Any:
         factory = getattr(live, "default_factory", None)
         items = []
         for k, v in new.items():
+            if type(k) is str and k not in live and k.isdigit() and int(k) in live:
+                # a checkpoint that lost its int keys (imported from DCP, whose keys are
+                # all strings) goes back under the keys the live dict has
+                k = int(k)
             if k in live:
                 items.append((k, merge(live[k], v)))
             elif factory is not None and isinstance(v, (Mapping, list)):

@@ -591,3 +591,66 @@ def test_keys_in_messages_are_quoted(tmp_path):
         lines = str(info.value).splitlines()
         assert len([x for x in lines if "unexpected" in x]) == 1
         assert "'model/a\\nunexpected: fake'" in str(info.value)
+
+
+class Resizable:
+    """An object whose own load_state_dict takes a buffer of any length (as a quantization
+    observer or a module's extra state does)."""
+
+    def __init__(self, n: int) -> None:
+        self.buf = np.zeros(n)
+        self.scale = np.ones(2)
+
+    def state_dict(self) -> dict:
+        return {"buf": self.buf, "scale": self.scale}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.buf = np.array(sd["buf"])
+        self.scale[:] = sd["scale"]
+
+
+class ResizableAdapter:
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, Resizable)
+
+    def capture(self, obj: Resizable) -> Any:
+        return obj.state_dict()
+
+    def apply(self, obj: Resizable, tree: Any) -> None:
+        obj.load_state_dict(tree)
+
+    def replaceable(self, obj: Resizable) -> list[str]:
+        return ["buf"]
+
+
+def test_replaceable_entries_are_handed_to_apply_fresh_instead_of_refused(tmp_path):
+    adapter = ResizableAdapter()
+    register_adapter(adapter)
+    try:
+        with open_mgr(tmp_path / "ck") as mgr:
+            saved = Resizable(4)
+            saved.buf[:] = [1, 2, 3, 4]
+            saved.scale[:] = 5
+            mgr.save(1, {"obs": saved}).wait()
+            target = Resizable(0)  # an observer before its first forward pass
+            scale = target.scale
+            assert mgr.restore({"obs": target}) == 1
+            assert target.buf.tolist() == [1, 2, 3, 4]
+            assert target.scale is scale and scale.tolist() == [5, 5]  # in place, as usual
+            other = {"obs": Resizable(0)}
+            other["obs"].scale = np.ones(3)  # not replaceable: still refused up front
+            with pytest.raises(pitstop.IncompatibleTargetError, match="'obs/scale'"):
+                mgr.restore(other)
+    finally:
+        _adapters.remove(adapter)
+
+
+def test_string_digit_keys_go_back_under_the_int_keys_the_live_dict_has(tmp_path):
+    """A checkpoint imported from DCP keeps only string keys: a MultiStepLR's milestones
+    {3: 1} must come back under 3, not "3"."""
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.zeros(1), "sched": {"milestones": {"3": 1, "6": 1}}}).wait()
+        milestones = collections.Counter({3: 1, 6: 1})
+        target = {"w": np.zeros(1), "sched": {"milestones": milestones}}
+        assert mgr.restore(target) == 1
+        assert dict(milestones) == {3: 1, 6: 1} and target["sched"]["milestones"] is milestones
