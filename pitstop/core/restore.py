@@ -712,7 +712,8 @@ def merge(live: Any, new: Any) -> Any:
             else:
                 items.append((k, v))
         live.clear()
-        live.update(items)
+        for k, v in items:  # item by item: Counter.update would add counts
+            live[k] = v
         return live
     if isinstance(live, list) and isinstance(new, (list, tuple)):
         live[:] = [merge(live[i], v) if i < len(live) else v for i, v in enumerate(new)]
