@@ -428,8 +428,16 @@ def _gone(storage: LocalStorage, name: str) -> bool:
 def _pick_live(storage: LocalStorage, step: int | None, command: str) -> int:
     """The checkpoint to read: the newest one (again, if it vanishes while a trainer
     writes), or ``step``."""
-    for _ in range(10):
-        picked = _pick(_scan(storage), step, command)
+    for attempt in range(10):
+        try:
+            picked = _pick(_scan(storage), step, command)
+        except CliError:
+            # a live trainer's retention may have deleted the newest one between listing
+            # and looking at it, and committed the next a moment later: look again
+            if step is not None or attempt == 9:
+                raise
+            time.sleep(0.01)
+            continue
         if step is not None or not _gone(storage, step_name(picked)):
             return picked
     return picked
