@@ -2,8 +2,9 @@
 
 What it does beside tying those together lives in rooms of its own: signal handling
 (:mod:`.signals`), the directory's index, retention and checkpoints moved aside
-(:mod:`.catalog`), memory-tier recovery (:mod:`.recovery`) and the restore itself
-(:mod:`.restore`).
+(:mod:`.catalog`), memory-tier recovery (:mod:`.recovery`), the restore itself
+(:mod:`.restore`), what the manager holds and how it is released (:mod:`.lifecycle`), and
+the checks of its arguments (:mod:`.arguments`).
 
 A manager belongs to the process that created it. In a forked child every call but
 ``close()`` (a no-op there) raises, and nothing the child does, garbage collection and exit
@@ -15,11 +16,9 @@ releases what it holds.
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import logging
 import math
-import operator
 import os
 import sys
 import threading
@@ -30,6 +29,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from . import memtier as memtier_mod
+from .arguments import (
+    check_arguments,
+    check_callables,
+    check_user_metadata,
+    clean_metrics,
+    open_directory,
+    step_arg,
+    wrap_os,
+)
 from .catalog import Catalog, create_identity, read_identity
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
 from .errors import (
@@ -41,7 +49,8 @@ from .errors import (
     StepExistsError,
     UnsupportedFormatError,
 )
-from .hashing import ALGORITHMS, DEFAULT
+from .hashing import DEFAULT
+from .lifecycle import Resources, TierFallback, lost_signal_message
 from .manifest import Manifest
 from .memtier import MemoryTier
 from .names import step_name
@@ -57,8 +66,6 @@ from .policy import (
     RetentionPolicy,
     SaveContext,
     SavePolicy,
-    number_metric,
-    positive_int,
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
 from .recovery import Recovered, recover
@@ -70,7 +77,7 @@ from .signals import (
     signal_name,
 )
 from .snapshot import StagingPool
-from .storage import Storage, open_storage
+from .storage import Storage
 from .tree import FlatState, flatten
 
 log = logging.getLogger("pitstop")
@@ -130,11 +137,11 @@ class CheckpointManager:
         self._engine: Engine | None = None
         #: snapshots recovered from the memory tier at construction, oldest first
         self._recovered_all: list[Recovered] = []
-        _check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
+        check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
-        _check_callables(save_policy, retention, on_save)
+        check_callables(save_policy, retention, on_save)
         check_signals(save_on_signals)  # all of them, before anything is installed or written
-        self.storage = _open(directory, durable=durable, create=not read_only)
+        self.storage = open_directory(directory, durable=durable, create=not read_only)
         self.directory = self.storage.location
         self.read_only = read_only
         self.async_save = async_save
@@ -166,32 +173,32 @@ class CheckpointManager:
             self.directory_id = read_identity(self.storage, required=False) or ""
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                     read_only=True)
-            _wrap_os(self._catalog.reconcile, self.directory, write=False)
+            wrap_os(self._catalog.reconcile, self.directory, write=False)
             self._policy: SavePolicy | None = None
             self._signals = SignalSaver(None)
-            self._res = _Resources(self._owner_pid, self.directory)
-            self._finalizer = weakref.finalize(self, _Resources.release, self._res, True)
+            self._res = Resources(self._owner_pid, self.directory)
+            self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
             return
 
-        lock = _wrap_os(self.storage.lock, self.directory)
-        self._res = _Resources(self._owner_pid, self.directory, lock=lock)
-        self._finalizer = weakref.finalize(self, _Resources.release, self._res, True)
+        lock = wrap_os(self.storage.lock, self.directory)
+        self._res = Resources(self._owner_pid, self.directory, lock=lock)
+        self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
         mp = sys.modules.get("multiprocessing")
         if mp is not None and mp.parent_process() is not None:
             # a multiprocessing worker leaves through os._exit, past atexit: its own exit
             # hook commits what this manager accepted
-            mp.util.Finalize(None, _Resources.release, args=(self._res, True),
+            mp.util.Finalize(None, Resources.release, args=(self._res, True),
                              exitpriority=10)
         try:
             self.directory_id = read_identity(self.storage, required=True) or \
-                _wrap_os(create_identity, self.directory, self.storage)
-            removed = _wrap_os(self.storage.cleanup_incomplete, self.directory)
+                wrap_os(create_identity, self.directory, self.storage)
+            removed = wrap_os(self.storage.cleanup_incomplete, self.directory)
             if removed:
                 log.warning("pitstop: removed %d leftover(s) of interrupted saves in %s: %s",
                             len(removed), self.directory, ", ".join(removed))
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                     read_only=False, on_save=on_save)
-            _wrap_os(self._catalog.reconcile, self.directory, write=True)
+            wrap_os(self._catalog.reconcile, self.directory, write=True)
 
             # memory tier
             root = memtier_mod.default_root() if memory_tier in (None, True) else (
@@ -203,7 +210,7 @@ class CheckpointManager:
                     "tmpfs, or memory_tier=False")
             tier = MemoryTier(root, self.directory, self.directory_id) if root else None
             self.pool = StagingPool(max_in_flight, tier.prefix if tier else None, _pin_hooks(),
-                                    on_tier_failure=_TierFallback(root) if tier else None)
+                                    on_tier_failure=TierFallback(root) if tier else None)
             self._engine = Engine(
                 self.storage, hash_algorithm=hash_algorithm, compression=compression,
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
@@ -249,9 +256,9 @@ class CheckpointManager:
         Returns the save's handle, or None on the (almost free) steps that do not save.
         """
         engine = self._writer()
-        step = _step_arg(step)
+        step = step_arg(step)
         engine.raise_pending()
-        clean = _clean_metrics(metrics, self.best_metric) if metrics is not None else None
+        clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)  # training goes on from there
         if self._signals.pending is not None:
@@ -282,7 +289,7 @@ class CheckpointManager:
         returned handle's ``wait()`` / ``result()`` wait for the commit. A save is a step
         boundary too: a pending SIGTERM/SIGINT is acted on right after it."""
         engine = self._writer()
-        step = _step_arg(step)
+        step = step_arg(step)
         engine.raise_pending()
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
@@ -317,7 +324,7 @@ class CheckpointManager:
         previous valid one used; an explicit ``step`` raises.
         """
         self._check_usable()
-        step = None if step is None else _step_arg(step)
+        step = None if step is None else step_arg(step)
         if step is not None and step in self._abandoned:
             # asked for by number: this run goes on from there after all
             self._abandoned, self._rolled_back_to = set(), None
@@ -329,7 +336,7 @@ class CheckpointManager:
         # the cyclic GC would rescan a large heap again and again while the restore
         # allocates a few objects per array
         with _no_gc():
-            flat = _wrap_os(flatten, self.directory, state, self._resolve)
+            flat = wrap_os(flatten, self.directory, state, self._resolve)
             restored: int | None = None
             report: RestoreReport | None = None
             if from_memory:
@@ -365,7 +372,7 @@ class CheckpointManager:
     def load(self, step: int | None = None) -> Any:
         """A fresh nested dict of numpy arrays and values (no target needed)."""
         self._check_usable()
-        step = None if step is None else _step_arg(step)
+        step = None if step is None else step_arg(step)
         recovered = self._recovered_at(step)
         if recovered is not None and (step is not None or self.latest_step() == recovered.step):
             return recovered.reader.load()
@@ -414,7 +421,7 @@ class CheckpointManager:
     def metadata(self, step: int) -> Manifest:
         """The parsed manifest of one checkpoint (metrics, user metadata, arrays)."""
         self._check_usable()
-        step = _step_arg(step)
+        step = step_arg(step)
         recovered = self._recovered_at(step)
         if recovered is not None and step not in self._catalog.index:
             return recovered.reader.manifest
@@ -484,7 +491,7 @@ class CheckpointManager:
             self._engine.drain()
             pending = self._signals.pending
             if pending is not None:
-                log.error("pitstop: %s", _lost_signal_message(pending, self._signals, exc,
+                log.error("pitstop: %s", lost_signal_message(pending, self._signals, exc,
                                                                self._committed()))
                 self._signals.pending = None
             elif not isinstance(exc, (KeyboardInterrupt, CheckpointError)):
@@ -503,8 +510,8 @@ class CheckpointManager:
               ) -> SaveHandle | None:
         engine = self._engine
         assert engine is not None
-        clean_metrics = _clean_metrics(metrics, self.best_metric)
-        user_meta = _check_user_metadata(user_metadata)
+        clean = clean_metrics(metrics, self.best_metric)
+        user_meta = check_user_metadata(user_metadata)
         if self._recovered_all:  # first save after a recovery
             # the recovered snapshots may still be persisting from those very buffers: let
             # them commit before a new snapshot may overwrite one
@@ -517,7 +524,7 @@ class CheckpointManager:
         stats = SaveStats(step=step)
         handle = SaveHandle(step, stats)
         if self.nonfinite_guard and any(
-                isinstance(v, float) and not math.isfinite(v) for v in clean_metrics.values()):
+                isinstance(v, float) and not math.isfinite(v) for v in clean.values()):
             stats.skipped = "non-finite metrics (non-finite guard)"
             log.warning("pitstop: step %d not saved: %s", step, stats.skipped)
             handle._finish()
@@ -538,7 +545,7 @@ class CheckpointManager:
         stats.bytes = buf.layout.total
         stats.arrays = len(flat.arrays)
         job = PersistJob(step=step, buffer=buf, values=values, structure=flat.structure,
-                         metrics=clean_metrics, handle=handle, user_metadata=user_meta,
+                         metrics=clean, handle=handle, user_metadata=user_meta,
                          check_finite=self.nonfinite_guard)
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
@@ -553,7 +560,7 @@ class CheckpointManager:
         ctx.last_save_step = step
         ctx.last_save_time = time.monotonic()
         if self._policy is not None:
-            ctx.metrics = clean_metrics
+            ctx.metrics = clean
             saved = getattr(self._policy, "saved", None)
             if saved is not None:
                 saved(step, ctx)
@@ -781,299 +788,10 @@ class CheckpointManager:
     def _committed(self, *, hidden: bool = False) -> list[int]:
         """Committed steps on disk; the abandoned run's ones (after a restore of an older
         step) only with ``hidden``, until the run's first step or save moves them aside."""
-        steps = _wrap_os(self._catalog.committed_steps, self.directory)
+        steps = wrap_os(self._catalog.committed_steps, self.directory)
         if self._abandoned and not hidden:
             steps = [s for s in steps if s not in self._abandoned]
         return steps
-
-
-# ====================================================================== lifecycle
-class _Resources:
-    """What a manager holds, without a reference back to it, so a dropped manager can be
-    collected and its resources released by a finalizer (or at interpreter exit)."""
-
-    def __init__(self, owner_pid: int, directory: str, lock: Any = None) -> None:
-        self.owner_pid = owner_pid
-        self.directory = directory
-        self.lock = lock
-        self.engine: Engine | None = None
-        self.pool: StagingPool | None = None
-        self.tier: MemoryTier | None = None
-        self.signals: SignalSaver | None = None
-        self.recovered: list[Recovered] = []
-        self.released = False
-
-    def release(self, unattended: bool) -> CheckpointError | None:
-        """Commit what was accepted, then release everything. ``unattended``: from the
-        garbage collector or interpreter exit, where nobody can catch an error (it is logged
-        instead, loudly)."""
-        if os.getpid() != self.owner_pid or self.released:
-            return None  # a forked child: nothing here is the child's to release
-        if self.engine is not None and self.engine.on_own_thread():
-            # the garbage collector ran this finalizer on pitstop's own thread (a manager in
-            # a reference cycle): waiting for the saves here would wait for itself
-            threading.Thread(target=self.release, args=(unattended,),
-                             name="pitstop-release").start()
-            return None
-        self.released = True
-        error: CheckpointError | None = None
-        engine = self.engine
-        if unattended and self.signals is not None and self.signals.abandoned:
-            # interrupted twice: the user wants out now, without waiting for the save (its
-            # snapshot stays in the memory tier, when that is on, for the next start)
-            self.signals.retire()
-            return None
-        try:
-            if engine is not None:
-                pending = sorted(engine.pending_steps())
-                if unattended and pending:
-                    log.warning("pitstop: CheckpointManager(%r) was not closed: committing "
-                                "step(s) %s before it goes", self.directory, pending)
-                engine.close()
-                try:
-                    engine.raise_pending()
-                except CheckpointError as e:
-                    error = e
-            if unattended and self.signals is not None and self.signals.pending is not None:
-                log.error("pitstop: %s", _lost_signal_message(self.signals.pending,
-                                                              self.signals, None, None))
-            if self.pool is not None:
-                for r in self.recovered:
-                    self.pool.release(r.buffer)
-                # the tier outlives crashes, not a clean close; keep it if a save failed
-                self.pool.close(unlink=error is None)
-            if self.tier is not None and error is None:
-                self.tier.remove_all()
-        finally:
-            if self.signals is not None:
-                self.signals.retire()
-            if self.lock is not None:
-                with contextlib.suppress(OSError):
-                    self.lock.release()
-                self.lock = None
-        if error is not None and unattended:
-            log.error("pitstop: a save accepted by CheckpointManager(%r) was lost: %s",
-                      self.directory, error)
-            return None
-        return error
-
-
-class _TierFallback:
-    """Warns once when the memory tier cannot hold a snapshot (the save then stages in
-    private memory): the tier's size, what the state needs, and how to fix it."""
-
-    def __init__(self, root: str | None) -> None:
-        self.root = root
-        self.warned = False
-
-    def __call__(self, error: OSError, nbytes: int) -> None:
-        if self.warned:
-            log.debug("pitstop: memory tier unavailable again: %s", error)
-            return
-        self.warned = True
-        size = free = None
-        with contextlib.suppress(OSError):
-            st = os.statvfs(self.root or "/dev/shm")
-            size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-        have = (f"{self.root} has {_mib(size)} ({_mib(free)} free)" if size is not None
-                else f"{self.root} cannot be inspected")
-        code = error.errno
-        if code == errno.EFBIG:
-            fix = ("a file-size limit stops the tier's file: raise it (`ulimit -f unlimited`, "
-                   "or the job's RLIMIT_FSIZE)")
-        elif code in (errno.EMFILE, errno.ENFILE):
-            fix = "no file descriptor was left: raise the limit (`ulimit -n`)"
-        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fix = (f"{self.root} is not writable here: give the job write access, or pass "
-                   "memory_tier='<a writable dir on a tmpfs>'")
-        elif code == errno.ENOENT:
-            fix = f"{self.root} does not exist: create it, or pass another memory_tier"
-        else:
-            fix = ("enlarge /dev/shm (`docker run --shm-size=<size>`; in Kubernetes mount an "
-                   "emptyDir with `medium: Memory` and a sizeLimit at /dev/shm), or pass "
-                   "memory_tier='<dir on a larger tmpfs>'")
-        text = (f"pitstop: the memory tier cannot hold this snapshot ({type(error).__name__}: "
-                f"{error}): the state needs {_mib(nbytes)} and {have}. Saves go on, staged in "
-                "private memory (a crash between a save and its commit then loses that "
-                f"save). To keep the tier: {fix}; to silence this, memory_tier=False.")
-        log.warning("%s", text)
-        # user code <- save/step <- _save <- snapshot <- acquire <- _allocate <- here
-        warnings.warn(text, stacklevel=7)
-
-
-def _mib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**20:.1f} MiB"
-
-
-def _lost_signal_message(signum: int, signals: SignalSaver, exc: BaseException | None,
-                         committed: list[int] | None) -> str:
-    name = signal_name(signum)
-    ago = ""
-    if signals.received_at is not None:
-        ago = f" {time.monotonic() - signals.received_at:.1f} s ago"
-    newest = f"; the newest committed step is {committed[-1]}" if committed else ""
-    if exc is None:
-        return (f"{name} arrived{ago}, but the process is exiting before the next step "
-                f"boundary: nothing was saved for it{newest}.")
-    hint = _hint_for(exc)
-    return (f"{name} arrived{ago}, but training stopped with {type(exc).__name__}: {exc} "
-            f"before the next step boundary, so nothing was saved for it{newest}."
-            + (f" {hint}" if hint else ""))
-
-
-def _hint_for(exc: BaseException) -> str | None:
-    from ..adapters.registry import exception_hints
-    for hint in exception_hints:
-        try:
-            text = hint(exc)
-        except Exception:  # noqa: BLE001 - a hint must never hide the real error
-            continue
-        if text:
-            return str(text)
-    return None
-
-
-# ====================================================================== argument checks
-def _check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best: Any,
-                     best_metric: Any, best_mode: str, compression: Any, max_in_flight: Any,
-                     memory_tier: Any, writer_threads: Any, copy_threads: Any) -> None:
-    if directory is None or (isinstance(directory, (str, bytes)) and not directory.strip()):
-        raise InvalidArgumentError(
-            f"directory must name a checkpoint directory, got {directory!r} (pitstop will not "
-            "write into ./None or the working directory by accident)")
-    if not isinstance(directory, (str, os.PathLike, Storage)):
-        raise InvalidArgumentError(
-            f"directory must be a path or a Storage, got {type(directory).__name__}")
-    if not isinstance(directory, Storage) and "\0" in str(os.fspath(directory)):
-        raise InvalidArgumentError(f"directory {directory!r} holds a NUL character")
-    if hash_algorithm not in ALGORITHMS:
-        raise InvalidArgumentError(f"hash_algorithm must be one of {sorted(ALGORITHMS)}, got "
-                                   f"{hash_algorithm!r}")
-    if on_busy not in ("skip", "wait"):
-        raise InvalidArgumentError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
-    if keep_best is not None and not best_metric:
-        raise InvalidArgumentError("keep_best needs best_metric (the metric name to rank by)")
-    if best_mode not in ("min", "max"):
-        raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-    if compression not in (None, "none", "zstd", "zstd+shuffle"):
-        raise InvalidArgumentError(f"compression must be None, 'zstd' or 'zstd+shuffle', got "
-                                   f"{compression!r}")
-    positive_int("max_in_flight", max_in_flight)
-    for name, value in (("writer_threads", writer_threads), ("copy_threads", copy_threads)):
-        if value is not None:
-            positive_int(name, value)
-    if memory_tier is not None and not isinstance(memory_tier, (bool, str, os.PathLike)):
-        raise InvalidArgumentError(
-            f"memory_tier must be None (on where /dev/shm is usable), True, False or a "
-            f"directory on a tmpfs; got {memory_tier!r}")
-    if isinstance(memory_tier, (str, os.PathLike)) and not os.fspath(memory_tier):
-        raise InvalidArgumentError("memory_tier must name a directory, got an empty path")
-
-
-def _check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:
-    if save_policy is not None and not callable(getattr(save_policy, "should_save", None)):
-        raise InvalidArgumentError(
-            f"save_policy must have should_save(step, ctx) (e.g. pitstop.EveryNSteps(100)), got "
-            f"{type(save_policy).__name__}")
-    if retention is not None:
-        if isinstance(retention, (str, bytes)) or not isinstance(retention, Iterable):
-            raise InvalidArgumentError("retention must be a list of retention policies, e.g. "
-                                       "[pitstop.KeepLast(3)]")
-        for r in retention:
-            if not callable(getattr(r, "keep", None)):
-                raise InvalidArgumentError(
-                    f"retention holds a {type(r).__name__}, which has no keep(checkpoints); "
-                    "use policies such as pitstop.KeepLast(3), pitstop.KeepBest(2, 'loss')")
-    if on_save is not None and not callable(on_save):
-        raise InvalidArgumentError(f"on_save must be callable (it gets each save's SaveStats), "
-                                   f"got {type(on_save).__name__}")
-
-
-def _step_arg(step: Any) -> int:
-    """A step as a Python int: ints and integral numpy (or framework) scalars; never a bool,
-    a float or a string."""
-    if type(step) is int and step >= 0:  # the per-step fast path
-        return step
-    if isinstance(step, bool) or isinstance(step, (float, str, bytes)) or step is None:
-        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"step must be a non-negative int, got {type(step).__name__} {step!r}") from None
-    if value < 0:
-        raise InvalidArgumentError(f"step must be a non-negative int, got {value}")
-    return value
-
-
-def _clean_metrics(metrics: Any, best_metric: str | None) -> dict[str, Any]:
-    """Metrics as JSON values, checked before anything is written: numbers (also numpy and
-    framework scalars), strings, bools and None; the ranking metric must be a number."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise InvalidArgumentError(
-            f"metrics must be a mapping of name -> value, e.g. {{'loss': 0.5}}; got "
-            f"{type(metrics).__name__}")
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise InvalidArgumentError(f"metric names must be strings, got {k!r}")
-        if not isinstance(v, (int, float, str)) and v is not None:
-            item = getattr(v, "item", None)
-            if not callable(item):
-                raise InvalidArgumentError(
-                    f"metric {k!r} must be a number or a string, got {type(v).__name__}")
-            try:
-                v = item()  # numpy / framework scalars, one-element arrays and tensors
-            except Exception as e:  # noqa: BLE001 - numpy ValueError, torch RuntimeError, ...
-                raise InvalidArgumentError(
-                    f"metric {k!r} must be a single number; got a {type(v).__name__} of "
-                    f"shape {tuple(getattr(v, 'shape', ()))} ({e}). Pass e.g. "
-                    "loss.mean().item().") from None
-            if not isinstance(v, (int, float, str, bool)) and v is not None:
-                raise InvalidArgumentError(
-                    f"metric {k!r} must be a number or a string, got {type(v).__name__}")
-        if k == best_metric:
-            number_metric(k, v)
-        out[k] = v
-    return out
-
-
-def _check_user_metadata(user_metadata: Any) -> dict[str, Any]:
-    if user_metadata is None:
-        return {}
-    if not isinstance(user_metadata, Mapping):
-        raise InvalidArgumentError(
-            f"user_metadata must be a mapping, got {type(user_metadata).__name__}")
-    from .tree import encode_value
-    out = dict(user_metadata)
-    encode_value(out, "user_metadata")  # refused now, not in the background persist
-    return out
-
-
-def _open(directory: Any, **kwargs: Any) -> Storage:
-    if isinstance(directory, Storage):
-        return directory
-    return _wrap_os(open_storage, os.fspath(directory), directory, **kwargs)
-
-
-def _wrap_os(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args)``, with an OSError turned into a CheckpointError that names ``where``."""
-    try:
-        return fn(*args, **kwargs)
-    except OSError as e:
-        if isinstance(e, NotADirectoryError):
-            what = "is not a directory (or a part of its path is a file)"
-        elif isinstance(e, FileExistsError):
-            what = f"holds a file where pitstop needs a directory ({e.filename})"
-        elif isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES,
-                                                            errno.EPERM):
-            what = (f"is not writable by this process ({e.strerror}); open it with "
-                    "read_only=True to restore or load only")
-        else:
-            what = f"cannot be used ({type(e).__name__}: {e})"
-        raise CheckpointError(f"checkpoint directory {where} {what}") from e
 
 
 def _overwritten(errors: list[CorruptCheckpointError]) -> str:

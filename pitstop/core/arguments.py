@@ -1,0 +1,159 @@
+"""Arguments of the manager's public calls, checked before anything is written: steps,
+metrics, user metadata, constructor options, directories. A bad one raises
+:class:`InvalidArgumentError` (a ``CheckpointError`` and a ``ValueError``) naming it; an
+OSError from the file system becomes a ``CheckpointError`` that names the directory."""
+
+from __future__ import annotations
+
+import errno
+import operator
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from .errors import CheckpointError, InvalidArgumentError
+from .hashing import ALGORITHMS
+from .policy import number_metric, positive_int
+from .storage import Storage, open_storage
+
+
+def check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best: Any,
+                     best_metric: Any, best_mode: str, compression: Any, max_in_flight: Any,
+                     memory_tier: Any, writer_threads: Any, copy_threads: Any) -> None:
+    if directory is None or (isinstance(directory, (str, bytes)) and not directory.strip()):
+        raise InvalidArgumentError(
+            f"directory must name a checkpoint directory, got {directory!r} (pitstop will not "
+            "write into ./None or the working directory by accident)")
+    if not isinstance(directory, (str, os.PathLike, Storage)):
+        raise InvalidArgumentError(
+            f"directory must be a path or a Storage, got {type(directory).__name__}")
+    if not isinstance(directory, Storage) and "\0" in str(os.fspath(directory)):
+        raise InvalidArgumentError(f"directory {directory!r} holds a NUL character")
+    if hash_algorithm not in ALGORITHMS:
+        raise InvalidArgumentError(f"hash_algorithm must be one of {sorted(ALGORITHMS)}, got "
+                                   f"{hash_algorithm!r}")
+    if on_busy not in ("skip", "wait"):
+        raise InvalidArgumentError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
+    if keep_best is not None and not best_metric:
+        raise InvalidArgumentError("keep_best needs best_metric (the metric name to rank by)")
+    if best_mode not in ("min", "max"):
+        raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    if compression not in (None, "none", "zstd", "zstd+shuffle"):
+        raise InvalidArgumentError(f"compression must be None, 'zstd' or 'zstd+shuffle', got "
+                                   f"{compression!r}")
+    positive_int("max_in_flight", max_in_flight)
+    for name, value in (("writer_threads", writer_threads), ("copy_threads", copy_threads)):
+        if value is not None:
+            positive_int(name, value)
+    if memory_tier is not None and not isinstance(memory_tier, (bool, str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"memory_tier must be None (on where /dev/shm is usable), True, False or a "
+            f"directory on a tmpfs; got {memory_tier!r}")
+    if isinstance(memory_tier, (str, os.PathLike)) and not os.fspath(memory_tier):
+        raise InvalidArgumentError("memory_tier must name a directory, got an empty path")
+
+
+def check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:
+    if save_policy is not None and not callable(getattr(save_policy, "should_save", None)):
+        raise InvalidArgumentError(
+            f"save_policy must have should_save(step, ctx) (e.g. pitstop.EveryNSteps(100)), got "
+            f"{type(save_policy).__name__}")
+    if retention is not None:
+        if isinstance(retention, (str, bytes)) or not isinstance(retention, Iterable):
+            raise InvalidArgumentError("retention must be a list of retention policies, e.g. "
+                                       "[pitstop.KeepLast(3)]")
+        for r in retention:
+            if not callable(getattr(r, "keep", None)):
+                raise InvalidArgumentError(
+                    f"retention holds a {type(r).__name__}, which has no keep(checkpoints); "
+                    "use policies such as pitstop.KeepLast(3), pitstop.KeepBest(2, 'loss')")
+    if on_save is not None and not callable(on_save):
+        raise InvalidArgumentError(f"on_save must be callable (it gets each save's SaveStats), "
+                                   f"got {type(on_save).__name__}")
+
+
+def step_arg(step: Any) -> int:
+    """A step as a Python int: ints and integral numpy (or framework) scalars; never a bool,
+    a float or a string."""
+    if type(step) is int and step >= 0:  # the per-step fast path
+        return step
+    if isinstance(step, bool) or isinstance(step, (float, str, bytes)) or step is None:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"step must be a non-negative int, got {type(step).__name__} {step!r}") from None
+    if value < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {value}")
+    return value
+
+
+def clean_metrics(metrics: Any, best_metric: str | None) -> dict[str, Any]:
+    """Metrics as JSON values, checked before anything is written: numbers (also numpy and
+    framework scalars), strings, bools and None; the ranking metric must be a number."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise InvalidArgumentError(
+            f"metrics must be a mapping of name -> value, e.g. {{'loss': 0.5}}; got "
+            f"{type(metrics).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"metric names must be strings, got {k!r}")
+        if not isinstance(v, (int, float, str)) and v is not None:
+            item = getattr(v, "item", None)
+            if not callable(item):
+                raise InvalidArgumentError(
+                    f"metric {k!r} must be a number or a string, got {type(v).__name__}")
+            try:
+                v = item()  # numpy / framework scalars, one-element arrays and tensors
+            except Exception as e:  # noqa: BLE001 - numpy ValueError, torch RuntimeError, ...
+                raise InvalidArgumentError(
+                    f"metric {k!r} must be a single number; got a {type(v).__name__} of "
+                    f"shape {tuple(getattr(v, 'shape', ()))} ({e}). Pass e.g. "
+                    "loss.mean().item().") from None
+            if not isinstance(v, (int, float, str, bool)) and v is not None:
+                raise InvalidArgumentError(
+                    f"metric {k!r} must be a number or a string, got {type(v).__name__}")
+        if k == best_metric:
+            number_metric(k, v)
+        out[k] = v
+    return out
+
+
+def check_user_metadata(user_metadata: Any) -> dict[str, Any]:
+    if user_metadata is None:
+        return {}
+    if not isinstance(user_metadata, Mapping):
+        raise InvalidArgumentError(
+            f"user_metadata must be a mapping, got {type(user_metadata).__name__}")
+    from .tree import encode_value
+    out = dict(user_metadata)
+    encode_value(out, "user_metadata")  # refused now, not in the background persist
+    return out
+
+
+def open_directory(directory: Any, **kwargs: Any) -> Storage:
+    if isinstance(directory, Storage):
+        return directory
+    return wrap_os(open_storage, os.fspath(directory), directory, **kwargs)
+
+
+def wrap_os(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)``, with an OSError turned into a CheckpointError that names ``where``."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError as e:
+        if isinstance(e, NotADirectoryError):
+            what = "is not a directory (or a part of its path is a file)"
+        elif isinstance(e, FileExistsError):
+            what = f"holds a file where pitstop needs a directory ({e.filename})"
+        elif isinstance(e, PermissionError) or e.errno in (errno.EROFS, errno.EACCES,
+                                                            errno.EPERM):
+            what = (f"is not writable by this process ({e.strerror}); open it with "
+                    "read_only=True to restore or load only")
+        else:
+            what = f"cannot be used ({type(e).__name__}: {e})"
+        raise CheckpointError(f"checkpoint directory {where} {what}") from e
