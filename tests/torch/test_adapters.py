@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import socket
+import warnings
 
 import pytest
 import torch
@@ -288,3 +290,115 @@ def test_state_dict_hooks_that_copy_still_restore(manager):
 def test_lazy_module_before_its_first_forward_says_what_to_do(manager):
     with pytest.raises(pitstop.UnsupportedStateError, match="forward pass"):
         manager().save(1, {"m": nn.LazyLinear(3)})
+
+
+Best = collections.namedtuple("Best", "step loss")
+
+
+class Steps(list):
+    """A list subclass with an attribute."""
+
+
+class Tracker:
+    """A user object whose state holds typed containers, tensors inside some of them."""
+
+    def __init__(self):
+        self.seen = collections.defaultdict(list)
+        self.counts = collections.Counter()
+        self.order = collections.OrderedDict(a=1)
+        self.best = Best(0, torch.tensor(9.0))
+        self.steps = Steps()
+        self.steps.unit = "it"
+
+    def state_dict(self):
+        return {"seen": self.seen, "counts": self.counts, "order": self.order,
+                "best": self.best, "steps": self.steps, "w": torch.ones(2)}
+
+    def load_state_dict(self, sd):
+        self.seen, self.counts, self.order = sd["seen"], sd["counts"], sd["order"]
+        self.best, self.steps = sd["best"], sd["steps"]
+
+
+def test_stateful_objects_keep_their_container_types(manager):
+    """Counter, defaultdict (with its factory), OrderedDict, namedtuples and list subclasses
+    come back as themselves, as the object's own load_state_dict expects them."""
+    t = Tracker()
+    t.seen["x"].append(2)
+    t.counts["y"] += 3
+    t.order["b"] = 2
+    t.best = Best(5, torch.tensor(0.5))
+    t.steps[:] = [1, 2]
+    mgr = manager()
+    mgr.save(1, {"tracker": t})
+    t2 = Tracker()
+    mgr.restore({"tracker": t2})
+    assert type(t2.seen) is collections.defaultdict and t2.seen.default_factory is list
+    assert t2.seen == {"x": [2]}
+    t2.seen["new"].append(1)  # the factory still works
+    assert type(t2.counts) is collections.Counter and t2.counts.most_common(1) == [("y", 3)]
+    assert type(t2.order) is collections.OrderedDict and list(t2.order) == ["a", "b"]
+    assert type(t2.best) is Best and t2.best.step == 5 and float(t2.best.loss) == 0.5
+    assert type(t2.steps) is Steps and t2.steps == [1, 2] and t2.steps.unit == "it"
+
+
+def test_multisteplr_milestones_stay_a_counter(manager):
+    """MultiStepLR keeps its milestones in a Counter; its closed form (``step(epoch)``) needs
+    ``Counter.elements``."""
+    def build():
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+
+    opt, sched = build()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    mgr = manager()
+    mgr.save(3, {"opt": opt, "sched": sched})
+    opt2, sched2 = build()
+    mgr.restore({"opt": opt2, "sched": sched2})
+    assert type(sched2.milestones) is collections.Counter
+    assert sched2.milestones == sched.milestones
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates step(epoch)
+        sched.step(5)
+        sched2.step(5)
+    assert sched2.get_last_lr() == sched.get_last_lr()
+
+
+def test_a_stateful_object_given_a_whole_checkpoint_state_gets_its_int_keys_back():
+    """Where the core hands the checkpoint's subtree whole (its layout differs from the live
+    one), a dict that lost its int keys (DCP stores keys as strings) gets the live keys, and
+    the containers the live types (JSON kept dicts and tuples only)."""
+    from pitstop.adapters.torch._adapter import StatefulAdapter
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 6], gamma=0.1)
+    tree = {**sched.state_dict(), "milestones": {"3": 1, "6": 1}, "last_epoch": 2}
+    StatefulAdapter().apply(sched, tree)
+    assert type(sched.milestones) is collections.Counter
+    assert sched.milestones == collections.Counter({3: 1, 6: 1})
+    lrs = []
+    for _ in range(5):
+        opt.step()
+        sched.step()
+        lrs.append(round(opt.param_groups[0]["lr"], 6))
+    assert lrs == [0.1, 0.1, 0.1, 0.01, 0.01]
+
+
+def test_a_whole_checkpoint_state_gets_the_live_container_types(manager):
+    from pitstop.adapters.torch._adapter import StatefulAdapter
+
+    t = Tracker()
+    t.seen["x"].append(2)
+    t.counts["y"] += 3
+    t.best = Best(5, torch.tensor(0.5))
+    mgr = manager()
+    mgr.save(1, {"tracker": t})
+    whole = mgr.load()["tracker"]  # plain dicts, a plain tuple, a list, numpy arrays
+    assert type(whole["counts"]) is dict and type(whole["best"]) is tuple
+    t2 = Tracker()
+    StatefulAdapter().apply(t2, whole)
+    assert type(t2.seen) is collections.defaultdict and t2.seen.default_factory is list
+    assert type(t2.counts) is collections.Counter and t2.counts == {"y": 3}
+    assert type(t2.best) is Best and float(t2.best.loss) == 0.5
+    assert type(t2.steps) is Steps and t2.steps.unit == "it"

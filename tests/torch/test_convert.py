@@ -409,3 +409,117 @@ def test_export_to_a_folder_that_does_not_exist_is_a_checkpoint_error(tmp_path):
     _save_numpy(tmp_path / "run", 1, {"w": np.ones(2, np.float32)})
     with pytest.raises(pitstop.CheckpointWriteError, match="no-such-dir"):
         export_torch_save(tmp_path / "run", tmp_path / "no-such-dir" / "out.pt")
+
+
+# ----------------------------------------------------------------------------- DCP's losses
+def _multisteplr_run() -> tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    return model, opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 6], gamma=0.1)
+
+
+def _lrs(model: Any, opt: Any, sched: Any, n: int = 6) -> list[float]:
+    out = []
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        sched.step()
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_import_dcp_gives_multisteplr_its_int_milestones(tmp_path):
+    """DCP stores {3: 1, 6: 1} as {"3": 1, "6": 1}: a MultiStepLR loaded with those never
+    decays again. The import gives the ints back, and the resumed schedule is the original."""
+    model, opt, sched = _multisteplr_run()
+    _lrs(model, opt, sched, 2)
+    _dcp_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+               "scheduler": sched.state_dict()}, tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", tmp_path / "run", 2)
+    assert _load(tmp_path / "run")["scheduler"]["milestones"] == {3: 1, 6: 1}
+    want = _lrs(model, opt, sched)
+
+    model2, opt2, sched2 = _multisteplr_run()
+    with pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None,
+                                   memory_tier=False) as mgr:
+        mgr.restore({"model": model2, "optimizer": opt2, "scheduler": sched2})
+    assert sched2.milestones == sched.milestones and list(sched2.milestones) == [3, 6]
+    assert _lrs(model2, opt2, sched2) == want
+
+
+@pytest.mark.parametrize("make", ["sgd_stepped", "adam_not_stepped"])
+def test_import_dcp_of_an_optimizer_without_state_restores_into_the_same(tmp_path, make):
+    """DCP does not store an empty dict: the ``state`` of an SGD without momentum, or of any
+    optimizer before its first step, is gone from the directory; the import puts it back."""
+    def build():
+        model, _ = _model_and_optimizer()
+        if make == "sgd_stepped":
+            return model, torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, opt = build()
+    if make == "sgd_stepped":
+        _train(model, opt, 1, seed=1)
+    assert opt.state_dict()["state"] == {}
+    _dcp_save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", tmp_path / "run", 1)
+    assert _load(tmp_path / "run")["optimizer"]["state"] == {}
+
+    model2, opt2 = build()
+    opt2.param_groups[0]["lr"] = 5.0
+    with pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None,
+                                   memory_tier=False) as mgr:
+        assert mgr.restore({"model": model2, "optimizer": opt2}) == 1  # strict
+    assert opt2.param_groups[0]["lr"] == 0.1
+    _train(model, opt, 2, seed=2)
+    _train(model2, opt2, 2, seed=2)
+    assert_same(model2.state_dict(), model.state_dict())
+
+
+# ----------------------------------------------------------------------------- module. prefix
+class Wrapper(torch.nn.Module):
+    """A plain model whose only child is really named ``module`` (EMA / adapter wrappers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("source", ["torch_save", "dcp"])
+def test_a_stripped_module_prefix_is_said_and_strip_prefixes_keeps_it(tmp_path, caplog, source):
+    w = Wrapper()
+    if source == "torch_save":
+        torch.save({"model": w.state_dict()}, tmp_path / "w.pt")
+        importer = import_torch_save
+        where = tmp_path / "w.pt"
+    else:
+        _dcp_save({"model": w.state_dict()}, tmp_path / "dcp")
+        importer, where = import_dcp, tmp_path / "dcp"
+    with caplog.at_level("WARNING", logger="pitstop"):
+        importer(where, tmp_path / "stripped", 1)
+    (record,) = [r for r in caplog.records if "strip_prefixes" in r.getMessage()]
+    text = record.getMessage()
+    assert "'module.'" in text and "'model'" in text and "'module.weight' -> 'weight'" in text
+    assert sorted(_load(tmp_path / "stripped")["model"]) == ["bias", "weight"]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pitstop"):
+        importer(where, tmp_path / "kept", 1, strip_prefixes=())
+    assert not caplog.records
+    target = Wrapper()
+    with pitstop.CheckpointManager(tmp_path / "kept", save_on_signals=None,
+                                   memory_tier=False) as mgr:
+        assert mgr.restore({"model": target}) == 1  # strict: the keys as saved
+    assert_same(target.state_dict(), w.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:.*script_method.*:DeprecationWarning")
+def test_compiled_keys_are_cleaned_without_a_warning(tmp_path, caplog):
+    model, _ = _model_and_optimizer()
+    torch.save({"model": torch.compile(model).state_dict()}, tmp_path / "c.pt")
+    with caplog.at_level("WARNING", logger="pitstop"):
+        import_torch_save(tmp_path / "c.pt", tmp_path / "run", 1)
+    assert not caplog.records  # "_orig_mod." is never a real submodule's name
+    assert sorted(_load(tmp_path / "run")["model"]) == sorted(model.state_dict())

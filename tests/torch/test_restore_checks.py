@@ -384,3 +384,12 @@ def test_optimizer_state_rebuilt_on_cuda_keeps_its_dtype(manager):
         m = opt2.state[q]["m"]
         assert m.dtype == torch.float32 and m.device == q.device
         assert same_bits(m.cpu(), opt.state[p]["m"].cpu())
+
+
+def test_another_kind_of_generator_saved_there_is_named(manager):
+    mgr = manager()
+    mgr.save(1, {"g": np.random.default_rng(0)})
+    with pytest.raises(pitstop.IncompatibleTargetError, match="numpy generator's state"):
+        mgr.restore({"g": torch.Generator()})
+    with pytest.raises(pitstop.IncompatibleTargetError, match="random.Random state"):
+        GeneratorAdapter().check(torch.Generator(), (3, (1, 2), None))

@@ -232,3 +232,140 @@ def test_rejects_what_it_cannot_track():
 def test_a_plain_dataloader_in_the_state_says_what_to_use(manager):
     with pytest.raises(pitstop.UnsupportedStateError, match="ResumableLoader"):
         manager().save(1, {"loader": DataLoader(dataset(), batch_size=BS)})
+
+
+# --------------------------------------------------------------- set_epoch after an epoch's end
+def epoch_loop(manager, loader, epochs, stop_after=None):
+    """The DistributedSampler idiom with the epoch counter in the state, saved every step:
+    ``for epoch in range(state["epoch"], E): loader.set_epoch(epoch); for batch in loader``.
+    Returns the (epoch, batch) pairs trained on; stops after step ``stop_after``."""
+    state = {"loader": loader, "epoch": 0}
+    seen = []
+    mgr = manager(save_every_steps=1)
+    restored = mgr.restore(state)
+    step = 0 if restored is None else restored + 1
+    for epoch in range(state["epoch"], epochs):
+        loader.set_epoch(epoch)
+        state["epoch"] = epoch
+        for batch in loader:
+            seen.append((epoch, ids(batch)))
+            mgr.step(step, state)
+            if step == stop_after:
+                return seen
+            step += 1
+    return seen
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_set_epoch_loop_resumed_after_any_step_trains_each_batch_once(tmp_path, drop_last):
+    """Saved right after an epoch's last batch, the loader had moved on to the next epoch
+    while the loop's counter still said the old one: set_epoch of that epoch on resume must
+    not replay it. The same at every other step."""
+    def make():
+        return ResumableLoader(dataset(10), batch_size=4, shuffle=True, seed=3,
+                               drop_last=drop_last)
+
+    made = []
+
+    def manager_at(path):
+        def make_manager(**kw):
+            m = pitstop.CheckpointManager(path, save_on_signals=None, memory_tier=False,
+                                          async_save=False, **kw)
+            made.append(m)
+            return m
+        return make_manager
+
+    try:
+        reference = epoch_loop(manager_at(tmp_path / "ref"), make(), 3)
+        for stop in range(len(reference) - 1):
+            where = tmp_path / f"stop{stop}"
+            first = epoch_loop(manager_at(where), make(), 3, stop_after=stop)
+            for m in made:
+                m.close()
+            resumed = epoch_loop(manager_at(where), make(), 3)
+            assert first + resumed == reference, stop
+    finally:
+        for m in made:
+            m.close()
+    per_epoch = 2 if drop_last else 3
+    assert [e for e, _ in reference] == [e for e in range(3) for _ in range(per_epoch)]
+
+
+def test_set_epoch_otherwise_keeps_distributed_sampler_semantics():
+    loader = ResumableLoader(dataset(8), batch_size=4, shuffle=True, seed=1)
+    e0 = [ids(b) for b in loader]
+    assert (loader.epoch, loader.position) == (1, 0)  # moved on by itself
+    loader.set_epoch(0)  # the epoch just completed, nothing of epoch 1 taken: used up
+    assert (loader.epoch, loader.position) == (0, 8)
+    assert [ids(b) for b in loader] == []
+    assert (loader.epoch, loader.position) == (1, 0)
+    loader.set_epoch(1)  # the current epoch: the position is kept
+    e1 = [ids(b) for b in loader]
+    assert e1 != e0 and len(e1) == 2
+    loader.set_epoch(0)  # any other epoch starts from its beginning, as DistributedSampler
+    assert [ids(b) for b in loader] == e0
+    it = iter(loader)  # epoch 1 now; once a batch of it is taken, epoch 0 is a rewind
+    next(it)
+    loader.set_epoch(0)
+    assert [ids(b) for b in loader] == e0
+    assert len(loader) == 2
+    # the sampler alone (a single-process DataLoader) behaves the same
+    s = ResumableSampler(dataset(8), seed=1)
+    assert len(list(s)) == 8 and (s.epoch, s.position) == (1, 0)
+    s.set_epoch(0)
+    assert list(s) == [] and (s.epoch, s.position) == (1, 0)
+
+
+def test_a_state_saved_before_completed_epoch_existed_loads():
+    loader = ResumableLoader(dataset(8), batch_size=4, shuffle=True, seed=1)
+    e0 = [ids(b) for b in loader]
+    old = {k: v for k, v in loader.state_dict().items() if k != "completed_epoch"}
+    assert (old["epoch"], old["position"]) == (1, 0)
+    resumed = ResumableLoader(dataset(8), batch_size=4, shuffle=True)
+    resumed.load_state_dict(old)
+    resumed.set_epoch(0)  # at the start of epoch 1: it had moved on from epoch 0
+    assert [ids(b) for b in resumed] == []
+    mid = ResumableLoader(dataset(8), batch_size=4, shuffle=True)
+    mid.load_state_dict({**old, "epoch": 0, "position": 4})
+    assert [ids(b) for b in mid] == e0[1:]
+
+
+# --------------------------------------------------------------- restore inside the loop
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)],
+                         ids=["in-process", "workers", "persistent-workers"])
+def test_rollback_inside_the_loop_continues_from_the_restored_position(manager, workers,
+                                                                        persistent):
+    """restore()/rollback() inside ``for batch in loader`` (a NaN loss noticed there): the
+    running iterator goes on from the restored position, with the batches a run resumed
+    there would get, and later saves describe what was trained on."""
+    def make():
+        return ResumableLoader(dataset(40), batch_size=4, shuffle=True, seed=6,
+                               num_workers=workers, persistent_workers=persistent)
+
+    expected = stream(make(), 12)
+    loader = make()
+    state = {"loader": loader}
+    mgr = manager(nonfinite_guard=True)
+    seen, rolled = [], False
+    step = 0
+    while len(seen) < 12:
+        for batch in loader:
+            seen.append(ids(batch))
+            if step == 4 and not rolled:
+                rolled = True
+                seen = seen[:2]  # the steps after the checkpoint of step 1 are redone
+                assert mgr.rollback(state) == 1
+                step = 2
+                continue
+            if step == 1:
+                mgr.save(step, state, metrics={"loss": 1.0}).wait()
+            step += 1
+            if len(seen) == 12:
+                break
+    assert seen == expected
+    # what a save now holds is where the loop is: a run resumed from it goes on exactly
+    mgr.save(step, state, metrics={"loss": 1.0}).wait()
+    resumed = make()
+    mgr.restore({"loader": resumed})
+    assert (resumed.epoch, resumed.position) == (1, 8)
+    assert stream(resumed, 4) == stream(make(), 16)[12:]

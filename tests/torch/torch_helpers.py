@@ -38,3 +38,29 @@ class MarkedDataset(torch.utils.data.Dataset):
         import signal
         blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         return torch.tensor([i, INIT_MARK, int(blocked)])
+
+
+class GatedDataset(torch.utils.data.Dataset):
+    """Item i is ``[i]``. Unpickled in a worker process (spawn, forkserver) it writes
+    ``<gate>.started.<pid>`` and waits until the file ``gate`` exists: the worker is held in
+    its start-up, before its worker_init_fn, for as long as a test needs."""
+
+    def __init__(self, n: int, gate: str = "") -> None:
+        self.n = n
+        self.gate = gate
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i)])
+
+    def __setstate__(self, state) -> None:
+        import os
+        import time
+
+        self.__dict__.update(state)
+        if self.gate:
+            open(f"{self.gate}.started.{os.getpid()}", "w").close()
+            while not os.path.exists(self.gate):
+                time.sleep(0.01)

@@ -13,7 +13,10 @@ with the framework's exception chained as the cause.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import copy
+from collections import OrderedDict
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -50,33 +53,73 @@ def clean_key(key: str) -> str:
 
 
 def _wrap(tree: Any, where: str) -> Any:
-    """Copy the containers of ``tree`` with every tensor replaced by a TensorLeaf."""
+    """Copy the containers of ``tree`` with every tensor replaced by a TensorLeaf; each copy
+    keeps its container's type (see :func:`_like`)."""
     if isinstance(tree, torch.Tensor):
         return TensorLeaf(tree, where)
     if isinstance(tree, Mapping):
-        return {k: _wrap(v, f"{where}/{k}" if where else str(k)) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_wrap(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(tree)]
-    if isinstance(tree, tuple):
-        return tuple(_wrap(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(tree))
+        return _like(tree, [(k, _wrap(v, f"{where}/{k}" if where else str(k)))
+                            for k, v in tree.items()])
+    if isinstance(tree, (list, tuple)):
+        return _like(tree, [_wrap(v, f"{where}/{i}" if where else str(i))
+                            for i, v in enumerate(tree)])
     return tree
 
 
 def _unwrap(tree: Any) -> Any:
     """Inverse of :func:`_wrap` on a restored tree: TensorLeaf -> its (restored) tensor, a
     numpy array rebuilt from the checkpoint -> a new CPU tensor (``load_state_dict`` moves
-    it to the right device, exactly as a CPU-mapped load of a torch file would)."""
+    it to the right device, exactly as a CPU-mapped load of a torch file would). Containers
+    keep their types (a scheduler's ``Counter`` of milestones stays a Counter)."""
     if isinstance(tree, TensorLeaf):
         return tree.tensor
     if isinstance(tree, (np.ndarray, np.generic)):
         return to_tensor(np.asarray(tree))
     if isinstance(tree, Mapping):
-        return {k: _unwrap(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_unwrap(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_unwrap(v) for v in tree)
+        return _like(tree, [(k, _unwrap(v)) for k, v in tree.items()])
+    if isinstance(tree, (list, tuple)):
+        return _like(tree, [_unwrap(v) for v in tree])
     return tree
+
+
+def _like(like: Any, items: list[Any]) -> Any:
+    """A new container of ``like``'s own type holding ``items`` (``(key, value)`` pairs for
+    a mapping): Counter, defaultdict (same factory), OrderedDict and other dict subclasses
+    (their attributes copied), list subclasses, namedtuples (``_make``) and tuple types
+    built from an iterable. What cannot be rebuilt that way becomes a dict, list or tuple."""
+    cls = type(like)
+    if isinstance(like, Mapping):
+        if cls is dict or cls is _Captured:
+            return dict(items)
+        if isinstance(like, MutableMapping):
+            try:
+                out = copy.copy(like)  # keeps default_factory and instance attributes
+                out.clear()
+                for k, v in items:  # one by one: Counter.update would add counts
+                    out[k] = v
+                return out
+            except Exception:  # noqa: BLE001 - a mapping type that does not copy
+                pass
+        return dict(items)
+    if isinstance(like, list):
+        if cls is not list:
+            try:
+                seq = copy.copy(like)
+                seq[:] = items
+                return seq
+            except Exception:  # noqa: BLE001 - a list type that does not copy
+                pass
+        return list(items)
+    if cls is tuple:
+        return tuple(items)
+    make = getattr(cls, "_make", None)
+    try:
+        out = make(items) if callable(make) else cls(items)
+        if type(out) is cls and len(out) == len(items):
+            return out
+    except Exception:  # noqa: BLE001 - a tuple type built another way
+        pass
+    return tuple(items)
 
 
 def _refused(obj: Any, e: Exception, fix: str) -> IncompatibleTargetError:
@@ -116,31 +159,104 @@ class ModuleAdapter:
             out[key] = TensorLeaf(value, key) if isinstance(value, torch.Tensor) else value
         return out
 
+    def replaceable(self, obj: nn.Module) -> list[str]:
+        """Entries whose checkpoint value may differ from the live one in shape, dtype or
+        kind, because the module's own ``load_state_dict`` takes them as they come: every
+        ``_extra_state`` (``get_extra_state`` may return a tensor of another length, as
+        TransformerEngine's fp8 metadata does), and the parameters and buffers of submodules
+        that override ``_load_from_state_dict`` (quantization observers and FakeQuantize
+        resize their buffers there). The core reads these fresh and ``apply`` hands them to
+        ``load_state_dict``, which takes or refuses them as torch does."""
+        out: list[str] = []
+        for prefix, sub in unwrap_module(obj).named_modules(remove_duplicate=False):
+            head = f"{prefix}." if prefix else ""
+            if type(sub).get_extra_state is not nn.Module.get_extra_state:
+                out.append(clean_key(head + "_extra_state"))
+            if not _loads_its_own_way(type(sub)):
+                continue
+            skip = sub._non_persistent_buffers_set
+            for name, t in (*sub._parameters.items(), *sub._buffers.items()):
+                if t is not None and name not in skip:
+                    out.append(clean_key(head + name))
+        return out
+
     def apply(self, obj: nn.Module, tree: dict[str, Any]) -> None:
-        # Tensors were restored in place. Hand back through load_state_dict (under the
-        # module's own, possibly wrapped, key names) only the rest: extra state
-        # (get_extra_state may return a fresh object), and tensors that a state_dict hook
-        # produced as copies rather than views of the module's own storage.
+        # Tensors were restored in place; the module still gets its state through its own
+        # load_state_dict, as torch hands it a loaded state dict, so that its load hooks and
+        # _load_from_state_dict overrides run (a cache derived from the weights is refreshed,
+        # an observer resizes its buffers). A tensor restored in place is handed as the live
+        # tensor itself: ``param.copy_(param)`` returns at once, and the parameter stays the
+        # same object. Where nothing would run but those no-op copies (no hooks, overrides or
+        # extra state, every tensor in place), the call is skipped: torch's load_state_dict
+        # costs time quadratic in the number of children of a wide module.
         module = unwrap_module(obj)
-        live = {t.untyped_storage().data_ptr()
-                for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"}
-        rest = {k: v for k, v in tree.items()
-                if not isinstance(v, TensorLeaf) or k.endswith("_extra_state")
-                or v.tensor.untyped_storage().data_ptr() not in live}
-        if not rest:
+        live = module.state_dict(keep_vars=True)
+        names = {clean_key(k): k for k in live}
+        loadable: OrderedDict[str, Any] = OrderedDict()
+        needed = _loads_with_code(module)
+        for k, v in tree.items():
+            name = names.get(k, k)
+            now = live.get(name)
+            if isinstance(v, TensorLeaf) and isinstance(now, torch.Tensor) and \
+                    _same_memory(v.tensor, now):
+                loadable[name] = now
+            else:  # extra state, a fresh entry, a copy a state_dict hook made
+                loadable[name] = _unwrap(v)
+                needed = True
+        if not needed:
             return
-        names = {clean_key(k): k for k in module.state_dict(keep_vars=True)}
-        loadable = {names.get(k, k): _unwrap(v) for k, v in rest.items()}
+        # the versions _load_from_state_dict overrides read (without them an observer
+        # would put its default eps over the restored one, as for a pre-1.x checkpoint)
+        meta = getattr(live, "_metadata", None)
+        if meta is None:
+            meta = {p: {"version": m._version}
+                    for p, m in module.named_modules(remove_duplicate=False)}
+        loadable._metadata = meta  # type: ignore[attr-defined]
+        inference = any(isinstance(t, torch.Tensor) and t.is_inference()
+                        for t in loadable.values())
         try:
-            result = module.load_state_dict(loadable, strict=False)
+            # an inference tensor takes in-place writes only inside inference mode
+            with torch.inference_mode() if inference else contextlib.nullcontext():
+                result = module.load_state_dict(loadable, strict=False)
         except Exception as e:  # noqa: BLE001 - set_extra_state or a hook refused it
             raise _refused(module, e, "Build the module as the run that saved it did, or "
-                           "restore with strict=False to load what matches.") from e
+                           "leave it out of the state.") from e
         if result.unexpected_keys:
             raise IncompatibleTargetError(
                 f"module {type(module).__name__} has no entries {result.unexpected_keys} that "
                 "the checkpoint holds; build it as the run that saved it did, or restore with "
                 "strict=False", unexpected=list(result.unexpected_keys))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or the same elements of the same memory (a detached alias)."""
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+def _loads_with_code(module: nn.Module) -> bool:
+    """Whether ``load_state_dict`` runs code of the module's own beyond copying tensors: load
+    hooks, a ``_load_from_state_dict`` override (torch.nn's own only migrate old versions,
+    a no-op here), ``set_extra_state``."""
+    for sub in module.modules():
+        if sub._load_state_dict_pre_hooks or sub._load_state_dict_post_hooks:
+            return True
+        cls = type(sub)
+        if cls.get_extra_state is not nn.Module.get_extra_state or _loads_its_own_way(cls):
+            return True
+    return False
+
+
+def _loads_its_own_way(cls: type) -> bool:
+    """True when ``cls`` overrides ``_load_from_state_dict`` with code that may take entries
+    of another shape: any override outside ``torch.nn.modules`` (quantization observers,
+    FakeQuantize, user modules). torch.nn's own (BatchNorm, InstanceNorm) only migrate old
+    versions and keep torch's shape check, which the core does up front."""
+    for klass in cls.__mro__:
+        if "_load_from_state_dict" in vars(klass):
+            return klass is not nn.Module and not klass.__module__.startswith(
+                "torch.nn.modules.")
+    return False
 
 
 class OptimizerAdapter:
@@ -255,9 +371,15 @@ class GeneratorAdapter:
         """A generator state fits only a generator of the same device type (and size)."""
         state = tree.get("state") if isinstance(tree, Mapping) else None
         if not isinstance(state, (bytes, bytearray)):
+            if isinstance(tree, Mapping) and "bit_generator" in tree:
+                saved = "a numpy generator's state (np.random.Generator or RandomState)"
+            elif isinstance(tree, (tuple, list)):
+                saved = "a random.Random state"
+            else:
+                saved = "no torch.Generator state"
             raise IncompatibleTargetError(
-                "the checkpoint's entry for this torch.Generator holds no generator state; "
-                "restore it into the kind of object that saved it")
+                f"the checkpoint holds {saved} here, not a torch.Generator's; restore it "
+                "into the kind of generator that saved it")
         saved = torch.device(str(tree.get("device", "cpu"))).type
         if saved != obj.device.type:
             raise IncompatibleTargetError(
@@ -335,7 +457,8 @@ class StatefulAdapter:
                 and not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor)))
 
     def capture(self, obj: Any) -> Any:
-        return _wrap(obj.state_dict(), "")
+        tree = _wrap(obj.state_dict(), "")
+        return _Captured(tree) if type(tree) is dict else tree
 
     def check(self, obj: Any, tree: Any) -> None:
         """What torch's own ``load_state_dict`` of schedulers and GradScaler would refuse."""
@@ -376,12 +499,46 @@ class StatefulAdapter:
     def apply(self, obj: Any, tree: Any) -> None:
         self.check(obj, tree)
         try:
-            obj.load_state_dict(_unwrap(tree))
+            given = _unwrap(tree)
+            if type(tree) is not _Captured:
+                # the checkpoint's state handed whole (its layout differs from the live
+                # one): JSON kept dicts, lists and tuples, the live state says of which
+                # types (a Counter of milestones) and which keys were ints (a DCP import
+                # stores every key as a string)
+                given = _like_live(given, obj.state_dict())
+            obj.load_state_dict(given)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the object's load_state_dict raised
             raise _refused(obj, e, "Build it as the run that saved it did, or leave it out "
                            "of the state and restore with strict=False.") from e
+
+
+class _Captured(dict):  # type: ignore[type-arg]
+    """The top of a state dict :class:`StatefulAdapter` captured: ``apply`` gets this very
+    object back (values merged into it in place) unless the core hands it the checkpoint's
+    subtree whole instead."""
+
+
+def _like_live(tree: Any, live: Any) -> Any:
+    """``tree`` with the container types of ``live`` where it has plain ones (a ``dict``
+    where ``live`` has a Counter, a ``tuple`` where it has a namedtuple), and each
+    ``"5"``-style key turned into the int ``live`` has there."""
+    if isinstance(tree, Mapping) and isinstance(live, Mapping):
+        items = []
+        for k, v in tree.items():
+            if type(k) is str and k.isdigit() and k not in live and int(k) in live:
+                k = int(k)
+            items.append((k, _like_live(v, live[k]) if k in live else v))
+        return _like(live if type(tree) is dict else tree, items)
+    if isinstance(tree, (list, tuple)) and isinstance(live, (list, tuple)):
+        seq = [_like_live(v, live[i]) if i < len(live) else v for i, v in enumerate(tree)]
+        same_kind = isinstance(tree, list) == isinstance(live, list)
+        plain = type(tree) in (list, tuple)
+        if plain and same_kind and (isinstance(live, list) or len(live) == len(seq)):
+            return _like(live, seq)
+        return _like(tree, seq)
+    return tree
 
 
 class DataLoaderHint:

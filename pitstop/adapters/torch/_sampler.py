@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from pitstop.core.errors import IncompatibleTargetError
 
-from ._workers import WorkerInit, signals_blocked
+from ._workers import WorkerInit, start_workers
 
 log = logging.getLogger("pitstop")
 
@@ -64,7 +64,10 @@ class ResumableSampler(Sampler[int]):
     The epoch advances by itself when one is used up; ``set_epoch(e)`` (the
     ``DistributedSampler`` call) is also accepted and keeps the position when ``e`` is the
     current epoch, so ``for epoch in range(sampler.epoch, n): sampler.set_epoch(epoch)``
-    resumes mid-epoch.
+    resumes mid-epoch. ``set_epoch(e)`` for the epoch it has just used up (and moved on
+    from by itself, nothing of ``e + 1`` taken yet) leaves ``e`` used up: iterating yields
+    nothing for it, so a loop whose epoch counter was saved before it moved on goes on with
+    ``e + 1`` instead of repeating ``e``.
     """
 
     def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0,
@@ -79,6 +82,12 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0
+        #: the epoch used up last when the sampler moved on to the next by itself (None
+        #: once anything else moved it): ``set_epoch`` of it does not start it over
+        self.completed: int | None = None
+        #: bumped by load_state_dict when the position changes, so that a running
+        #: ResumableLoader iterator starts over from the restored position
+        self.generation = 0
         #: set by ResumableLoader: it, not iteration, advances ``position``
         self._tracked = False
         #: what iterates this sampler ahead of the training loop, as last seen (see caveats)
@@ -112,7 +121,10 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         if self.position >= self.num_samples:
+            # an epoch used up already (set_epoch of the epoch just completed): nothing
+            # for it; the next iteration starts the next epoch
             self._next_epoch()
+            return
         order = self.order()
         start = self.position
         if self._tracked:
@@ -133,20 +145,27 @@ class ResumableSampler(Sampler[int]):
             self._next_epoch()
 
     def _next_epoch(self) -> None:
+        self.completed = self.epoch
         self.epoch += 1
         self.position = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (from its beginning), unless it is the current one."""
-        if epoch != self.epoch:
-            self.epoch = int(epoch)
-            self.position = 0
+        """Start ``epoch`` (from its beginning), unless it is the current one (the position
+        is kept) or the one just used up (it stays used up: see the class docstring)."""
+        epoch = int(epoch)
+        if epoch == self.epoch:
+            return
+        if (self.completed is not None and epoch == self.completed
+                and self.epoch == epoch + 1 and self.position == 0):
+            self.epoch, self.position = epoch, self.num_samples
+            return
+        self.epoch, self.position, self.completed = epoch, 0, None
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "shuffle": self.shuffle, "dataset_len": self.dataset_len,
                 "num_replicas": self.num_replicas, "rank": self.rank,
-                "drop_last": self.drop_last}
+                "drop_last": self.drop_last, "completed_epoch": self.completed}
 
     def caveats(self) -> list[str]:
         """Why the saved position may not be exact, with the fix (empty when it is exact)."""
@@ -179,10 +198,18 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        before = (self.seed, self.shuffle, self.epoch, self.position)
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
         self.epoch = int(state["epoch"])
         position = int(state["position"])
+        if "completed_epoch" in state:
+            done = state["completed_epoch"]
+            self.completed = None if done is None else int(done)
+        else:
+            # saved before "completed_epoch" existed: at the start of an epoch after the
+            # first, the sampler had (almost always) moved on from the one before by itself
+            self.completed = self.epoch - 1 if position == 0 and self.epoch > 0 else None
         old = int(state.get("num_replicas", 1))
         if old != self.num_replicas:
             # elastic restart: keep the global count of consumed samples
@@ -191,6 +218,8 @@ class ResumableSampler(Sampler[int]):
                         "after about %d samples of epoch %d", old, self.num_replicas,
                         position * self.num_replicas, self.epoch)
         self.position = min(position, self.num_samples)
+        if (self.seed, self.shuffle, self.epoch, self.position) != before:
+            self.generation += 1
 
 
 def _prefetching_caller(frame: FrameType | None) -> str | None:
@@ -217,9 +246,11 @@ class ResumableLoader(DataLoader):
     Same arguments as ``DataLoader`` plus ``seed`` (shuffle order and worker seeds). Put it
     in the checkpointed state; after ``restore`` the next ``iter(loader)`` yields the batch
     that would have come next, also with ``num_workers > 0``. Iterating again after breaking
-    out of a loop also continues where the loop stopped. Its worker processes ignore a
-    SIGTERM/SIGINT sent to the whole process group (the training process saves, then
-    exits as the signal asks); ``worker_init_fn`` is wrapped for that and still called.
+    out of a loop also continues where the loop stopped (every batch handed out counts, a
+    peek with ``next(iter(loader))`` too), and a restore while a loop runs takes effect in
+    that loop (its iterator starts over at the restored position). Its worker processes
+    ignore a SIGTERM/SIGINT sent to the whole process group (the training process saves,
+    then exits as the signal asks); ``worker_init_fn`` is wrapped for that and still called.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False, *,
@@ -269,19 +300,23 @@ class ResumableLoader(DataLoader):
         self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
     def __iter__(self) -> _TrackedIter:  # type: ignore[override]
+        return _TrackedIter(self)
+
+    def _open(self) -> Iterator[Any]:
+        """The DataLoader iterator for the sampler's epoch and position (an empty one for
+        an epoch already used up: see ``ResumableSampler.set_epoch``)."""
         s: ResumableSampler = self.sampler  # type: ignore[assignment]
         if s.position >= s.num_samples:
             s._next_epoch()
+            return iter(())
         # worker seeds depend on (seed, epoch) only; persistent workers are seeded once
         self.seed_generator.manual_seed(_mix(s.seed, 0 if self.persistent_workers else s.epoch))
         if self.num_workers > 0:
-            # workers start with SIGTERM/SIGINT blocked, so none reaches them before
-            # their worker_init_fn hands both to the main process (see _workers)
-            with signals_blocked():
-                it = super().__iter__()
-        else:
-            it = super().__iter__()
-        return _TrackedIter(self, it)
+            # workers (and the helper processes they need) start with SIGTERM/SIGINT
+            # blocked, so none reaches them before their worker_init_fn hands both to the
+            # main process (see _workers)
+            return start_workers(self.multiprocessing_context, super().__iter__)
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()  # type: ignore[attr-defined,no-any-return]
@@ -291,22 +326,41 @@ class ResumableLoader(DataLoader):
 
 
 class _TrackedIter:
-    """The DataLoader iterator, counting what it hands to the training loop."""
+    """The DataLoader iterator, counting what it hands to the training loop. When the
+    sampler's position is restored meanwhile (``restore`` or ``rollback`` inside the loop),
+    it starts over from the restored position: the batches after it are those of a run
+    resumed there (the old iterator's workers are shut down, its prefetched batches
+    dropped)."""
 
-    def __init__(self, loader: ResumableLoader, it: Iterator[Any]) -> None:
+    def __init__(self, loader: ResumableLoader) -> None:
         self.loader = loader
-        self.it = it
         self.sampler: ResumableSampler = loader.sampler  # type: ignore[assignment]
         self.per_batch = loader.batch_size or 1
         self.drop_tail = self.per_batch if loader.drop_last else 0
+        self.generation = self.sampler.generation
+        self.it = loader._open()
 
     def __iter__(self) -> _TrackedIter:
         return self
 
     def __next__(self) -> Any:
+        if self.generation != self.sampler.generation:
+            self._restart()
         batch = next(self.it)
         self.sampler._consume(self.per_batch, self.drop_tail)
         return batch
 
+    def _restart(self) -> None:
+        old = self.it
+        if not self.loader.persistent_workers:  # (persistent ones are reset and reused)
+            shutdown = getattr(old, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        self.generation = self.sampler.generation
+        self.it = self.loader._open()
+
     def __len__(self) -> int:
-        return len(self.it)  # type: ignore[arg-type]
+        try:
+            return len(self.it)  # type: ignore[arg-type]
+        except TypeError:  # the empty iterator of an epoch used up already
+            return 0

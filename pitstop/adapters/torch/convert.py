@@ -14,20 +14,22 @@ read. Values (epoch, optimizer hyper-parameters, ...) stay Python values. Anythi
 raises :class:`pitstop.UnsupportedStateError` naming its key path.
 
 Module state dicts are imported under the keys a live save would give them: the ``module.``
-prefix of a DDP / DataParallel model and the ``_orig_mod.`` components of a
-``torch.compile``d one are dropped, so the checkpoint restores into a plain, a wrapped or a
-compiled model alike.
+prefix of a DDP / DataParallel model (said in a log warning: ``strip_prefixes=()`` keeps it,
+for a model whose submodule is really named ``module``) and the ``_orig_mod.`` components
+of a ``torch.compile``d one are dropped, so the checkpoint restores into a plain, a wrapped
+or a compiled model alike.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle  # only for the exception type weights_only raises
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,8 @@ from ...core.errors import (
 from ...core.manager import CheckpointManager
 from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, split
 from ._adapter import clean_key
+
+log = logging.getLogger("pitstop")
 
 __all__ = ["import_torch_save", "import_dcp", "export_torch_save", "export_safetensors"]
 
@@ -207,31 +211,64 @@ def _is_module_state_dict(obj: Any) -> bool:
             and any(isinstance(v, torch.Tensor) for v in obj.values()))
 
 
-def _unwrapped_keys(keys: list[str]) -> list[str]:
+def _unwrapped_keys(keys: list[str], strip: Sequence[str]) -> tuple[list[str], str]:
     """What a live save of the unwrapped module calls these keys: ``_orig_mod`` components
-    dropped (torch.compile), then a ``module.`` prefix every key has (DDP / DataParallel,
-    also nested), as ``consume_prefix_in_state_dict_if_present(sd, "module.")`` would."""
+    dropped (torch.compile; no real submodule has that name), then each prefix of ``strip``
+    that every key has (``"module."``: DDP / DataParallel, also nested), as
+    ``consume_prefix_in_state_dict_if_present(sd, "module.")`` would. Also returns the
+    prefix taken off (``""`` for none)."""
     keys = [clean_key(k) for k in keys]
-    while keys and all(k.startswith("module.") for k in keys):
-        keys = [k[len("module."):] for k in keys]
-    return keys
+    taken = ""
+    again = True
+    while again and keys:
+        again = False
+        for prefix in strip:
+            if prefix and all(k.startswith(prefix) for k in keys):
+                keys = [k[len(prefix):] for k in keys]
+                taken += prefix
+                again = True
+    return keys, taken
 
 
-def _clean_module_keys(obj: Any) -> Any:
+def _clean_module_keys(obj: Any, strip: Sequence[str], path: str = "",
+                       stripped: list[tuple[str, str, str, str, int]] | None = None) -> Any:
     """Every module state dict in ``obj`` under the keys a live save would use (unless two
-    keys would become one: then it stays as saved)."""
+    keys would become one: then it stays as saved). Each prefix taken off is recorded in
+    ``stripped`` as ``(path, prefix, an old key, its new key, number of keys)``."""
     if _is_module_state_dict(obj):
-        keys = _unwrapped_keys(list(obj))
+        keys, taken = _unwrapped_keys(list(obj), strip)
         if keys == list(obj) or len(set(keys)) != len(keys):
             return obj
+        if taken and stripped is not None:
+            stripped.append((path, taken, next(iter(obj)), keys[0], len(keys)))
         return dict(zip(keys, obj.values(), strict=True))
     if isinstance(obj, Mapping):
-        return {k: _clean_module_keys(v) for k, v in obj.items()}
+        return {k: _clean_module_keys(v, strip, join(path, k), stripped) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_clean_module_keys(v) for v in obj]
+        return [_clean_module_keys(v, strip, join(path, i), stripped) for i, v in enumerate(obj)]
     if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(_clean_module_keys(v) for v in obj)
+        return tuple(_clean_module_keys(v, strip, join(path, i), stripped)
+                     for i, v in enumerate(obj))
     return obj
+
+
+def _unwrap_module_keys(obj: Any, strip: Sequence[str] | str, what: str, key: str | None
+                        ) -> Any:
+    """:func:`_clean_module_keys`, saying (a log warning) what prefix it took off where: a
+    ``module.`` prefix may belong to a real submodule named ``module``."""
+    if isinstance(strip, str):
+        strip = (strip,)
+    stripped: list[tuple[str, str, str, str, int]] = []
+    out = _clean_module_keys(obj, tuple(strip), key or "", stripped)
+    for path, prefix, old, new, n in stripped:
+        log.warning(
+            "pitstop: %s: every key of the module state dict at %s starts with %r, as a DDP / "
+            "DataParallel model saves them, so its %d keys were imported without it (%r -> "
+            "%r), the keys a live save of the unwrapped model writes. If %r is a submodule of "
+            "your model rather than a wrapper, import again with strip_prefixes=() to keep "
+            "the keys as saved.", what, repr(path) if path else "the root", prefix, n, old,
+            new, prefix.split(".")[0])
+    return out
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -314,14 +351,18 @@ def _atomic_write(path: PathLike, write: Any) -> None:
 
 # ----------------------------------------------------------------------------- imports
 def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: str | None = None,
-                      metrics: Mapping[str, Any] | None = None) -> int:
+                      metrics: Mapping[str, Any] | None = None,
+                      strip_prefixes: Sequence[str] = ("module.",)) -> int:
     """Import a ``torch.save`` file as committed pitstop checkpoint ``step`` in ``directory``.
 
     The file may hold a state dict, a nested dict of them (``{"model": ..., "optimizer":
     ..., "epoch": 3}``), or any tree of tensors and plain values; ``key`` picks one entry
     (a pitstop key path such as ``"state_dict"``). A module state dict saved from a DDP or
-    ``torch.compile``d model gets the plain model's keys (as a live save would). Returns
-    ``step``. Raises :class:`pitstop.UnsupportedStateError` naming the key of anything it
+    ``torch.compile``d model gets the plain model's keys (as a live save would):
+    ``_orig_mod.`` components are dropped, and so is a prefix of ``strip_prefixes`` that
+    every key of a module state dict has (``module.``), with a log warning naming it, since a
+    model may have a real submodule named ``module``; pass ``strip_prefixes=()`` to keep
+    such keys as saved. Returns ``step``. Raises :class:`pitstop.UnsupportedStateError` naming the key of anything it
     cannot convert, :class:`pitstop.StepExistsError` if ``step`` is already committed there
     (before reading the file), and :class:`pitstop.CheckpointNotFoundError` for a missing
     file or ``key``.
@@ -344,7 +385,8 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
         raise CorruptCheckpointError(
             f"{source}: torch.load cannot read this file ({_reason(e)}); is it a complete "
             "torch.save file?", checkpoint=source) from e
-    tree = _clean_module_keys(_select(obj, key, source))
+    tree = _unwrap_module_keys(_select(obj, key, source), strip_prefixes,
+                               f"import_torch_save({source!r})", key)
     state = _torch_to_numpy_tree(tree)
     return _write(state, directory, step, metrics)
 
@@ -417,14 +459,18 @@ def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
 
 
 def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | None = None,
-               metrics: Mapping[str, Any] | None = None) -> int:
+               metrics: Mapping[str, Any] | None = None,
+               strip_prefixes: Sequence[str] = ("module.",)) -> int:
     """Import a ``torch.distributed.checkpoint`` directory as pitstop checkpoint ``step``.
 
     Runs in one process without a process group: every rank's shards are read and each
     tensor is assembled whole (``dcp.load(..., no_dist=True)``). DCP stores dict keys as
-    strings; the int keys of an optimizer state dict's ``state`` are given back (torch needs
-    them to match ``param_groups``), other dicts keep DCP's string keys. Empty dicts are not
-    stored by DCP and do not come back. ``key`` picks one entry.
+    strings; the int keys of an optimizer state dict's ``state`` (torch needs them to match
+    ``param_groups``) and of ``MultiStepLR`` milestones are given back, other dicts keep
+    DCP's string keys (restoring into a live dict that has int keys finds them). DCP does
+    not store empty dicts: an optimizer's empty ``state`` (SGD without momentum, any
+    optimizer before its first step) is put back, other empty dicts do not come back.
+    ``key`` picks one entry; ``strip_prefixes`` is as for :func:`import_torch_save`.
 
     Trust: DCP's ``.metadata`` file is a plain pickle, and reading it can execute code.
     Import only DCP directories you trust (ones your own jobs wrote). That is acceptable
@@ -433,32 +479,44 @@ def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | 
     (DCP itself uses ``weights_only=False``).
     """
     _refuse_existing(directory, step)
-    tree = _int_optimizer_keys(_load_dcp(dcp_dir))
-    state = _torch_to_numpy_tree(_clean_module_keys(_select(tree, key, os.fspath(dcp_dir))))
+    tree = _dcp_keys(_load_dcp(dcp_dir))
+    source = os.fspath(dcp_dir)
+    state = _torch_to_numpy_tree(_unwrap_module_keys(
+        _select(tree, key, source), strip_prefixes, f"import_dcp({source!r})", key))
     return _write(state, directory, step, metrics)
 
 
-def _int_optimizer_keys(obj: Any) -> Any:
-    """Give optimizer state dicts their int keys back (in place; DCP stored them as str).
+def _dcp_keys(obj: Any) -> Any:
+    """Give back what DCP's storage lost, in place: the int keys of optimizer state dicts and
+    of ``MultiStepLR`` milestones (DCP stores every key as a string), and the ``state`` of an
+    optimizer saved before its first step or without per-parameter state (DCP drops empty
+    dicts).
 
     ``torch.optim.Optimizer.load_state_dict`` matches ``state`` entries to the ints in
     ``param_groups[i]["params"]``; with ``"0"`` it would silently drop the moments. Only a
     dict shaped like an optimizer state dict whose ``state`` keys are exactly such ids as
-    digit strings is changed (FQN-keyed state from ``get_state_dict`` is left alone).
+    digit strings is changed (FQN-keyed state from ``get_state_dict`` is left alone). A
+    ``MultiStepLR`` with ``"3"`` as a milestone would never decay the learning rate again.
     """
     if isinstance(obj, dict):
-        state, groups = obj.get("state"), obj.get("param_groups")
-        if isinstance(state, dict) and isinstance(groups, list) and all(
+        groups = obj.get("param_groups")
+        if isinstance(groups, list) and groups and all(
                 isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+            obj.setdefault("state", {})
+            state = obj["state"]
             ids = {p for g in groups for p in g["params"]}
-            if (state and all(isinstance(p, int) for p in ids)
+            if (isinstance(state, dict) and state and all(isinstance(p, int) for p in ids)
                     and all(isinstance(k, str) and k.isdigit() and int(k) in ids for k in state)):
                 obj["state"] = {int(k): v for k, v in state.items()}
+        milestones = obj.get("milestones")
+        if (isinstance(milestones, dict) and "last_epoch" in obj and "base_lrs" in obj
+                and all(isinstance(k, str) and k.isdigit() for k in milestones)):
+            obj["milestones"] = {int(k): v for k, v in milestones.items()}
         for v in obj.values():
-            _int_optimizer_keys(v)
+            _dcp_keys(v)
     elif isinstance(obj, list):
         for v in obj:
-            _int_optimizer_keys(v)
+            _dcp_keys(v)
     return obj
 
 
@@ -492,7 +550,10 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
     so a torch name such as ``layer.weight`` or a ModuleDict key ``enc/dec`` stays intact
     (``model/layer.weight``, ``optimizer/state/0/exp_avg``). With ``key="model"`` the names are
     the model's own (``layer.weight``, ``enc/dec.weight``), ready for
-    ``model.load_state_dict(safetensors.torch.load_file(path))``. Two entries that would get
+    ``model.load_state_dict(safetensors.torch.load_file(path))``; safetensors holds tensors
+    only, so a module whose ``get_extra_state`` returns a value (not a tensor) has it in the
+    metadata instead: load with ``strict=False`` and give it to ``set_extra_state`` yourself
+    (``json.loads(metadata["pitstop"])["values"]["_extra_state"]``). Two entries that would get
     the same name (``"a/b"`` and ``"a"`` -> ``"b"``) raise :class:`pitstop.UnsupportedStateError`.
     Values go into the string metadata: ``"pitstop"`` holds JSON ``{"format_version": 1,
     "step": ..., "values": {key path: value}}`` (values in pitstop's manifest encoding), and
