@@ -393,3 +393,13 @@ def test_another_kind_of_generator_saved_there_is_named(manager):
         mgr.restore({"g": torch.Generator()})
     with pytest.raises(pitstop.IncompatibleTargetError, match="random.Random state"):
         GeneratorAdapter().check(torch.Generator(), (3, (1, 2), None))
+
+
+def test_a_tensor_metric_must_be_one_number(manager):
+    mgr = manager()
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(pitstop.InvalidArgumentError, match="'loss'.*single number"):
+        mgr.save(1, {"model": model}, metrics={"loss": torch.ones(3)})
+    assert mgr.all_steps() == []
+    mgr.save(1, {"model": model}, metrics={"loss": torch.tensor(0.5)}).wait()
+    assert mgr.metadata(1).metrics == {"loss": 0.5}
