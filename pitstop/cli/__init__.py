@@ -445,35 +445,42 @@ def _pick_live(storage: LocalStorage, step: int | None, command: str) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
-    step = _pick_live(storage, args.step, "inspect")
-    name = step_name(step)
-    where = storage.path_of(name)
-    with _lease(storage, name):
-        try:
-            m = _reader(storage, name).manifest  # validated before anything is printed
-        except CliError as err:
-            if err.code != CORRUPT:
-                raise
-            raise CliError(
-                f"{err}; `pitstop verify {storage.location} --all` checks the "
-                "others, and a restore moves a corrupt checkpoint aside and falls "
-                "back to the previous valid one",
-                CORRUPT,
-            ) from None
-        if args.json:
+    for attempt in range(10):
+        step = _pick_live(storage, args.step, "inspect")
+        name = step_name(step)
+        where = storage.path_of(name)
+        retry = args.step is None and attempt < 9
+        with _lease(storage, name):
+            if retry and _gone(storage, name):
+                continue  # deleted by a live trainer's retention before the lease: look again
             try:
-                text = storage.read_bytes(name, MANIFEST).decode("utf-8")
-            except UnicodeDecodeError as err:
+                m = _reader(storage, name).manifest  # validated before anything is printed
+            except CliError as err:
+                if retry and _gone(storage, name):
+                    continue
+                if err.code != CORRUPT:
+                    raise
                 raise CliError(
-                    f"{where}: manifest.json is not UTF-8 text (byte {err.start}); "
-                    "pitstop writes UTF-8 only, so it was changed after the commit",
+                    f"{err}; `pitstop verify {storage.location} --all` checks the "
+                    "others, and a restore moves a corrupt checkpoint aside and falls "
+                    "back to the previous valid one",
                     CORRUPT,
                 ) from None
-            except Exception as err:  # noqa: BLE001 - replaced since it was validated
-                code, why = _failure(err, where)
-                raise CliError(why, code) from None
-            print(text.rstrip("\n"))
-            return OK
+            if args.json:
+                try:
+                    text = storage.read_bytes(name, MANIFEST).decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise CliError(
+                        f"{where}: manifest.json is not UTF-8 text (byte {err.start}); "
+                        "pitstop writes UTF-8 only, so it was changed after the commit",
+                        CORRUPT,
+                    ) from None
+                except Exception as err:  # noqa: BLE001 - replaced since it was validated
+                    code, why = _failure(err, where)
+                    raise CliError(why, code) from None
+                print(text.rstrip("\n"))
+                return OK
+        break
     out = sys.stdout
     w = m.writer
     print(f"step {m.step}: {where}", file=out)
@@ -536,6 +543,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     listing = _scan(storage)
     if args.all:
+        for _ in range(10):
+            if listing.steps or not (listing.odd or listing.tmp):
+                break
+            # only entries caught mid-change (a live trainer's retention deleting the newest
+            # one while committing the next): look again
+            time.sleep(0.01)
+            listing = _scan(storage)
         steps = listing.steps
         if not steps:
             raise CliError(_no_checkpoint(listing, "verify"))
@@ -543,13 +557,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         steps = [_pick_live(storage, args.step, "verify")]
     failed: list[int] = []
     unchecked: list[str] = []
-    for s in steps:
+    repicks = 0
+    total = len(steps)
+    while steps:
+        s = steps.pop(0)
         name = step_name(s)
         where = storage.path_of(name)
         t0 = time.perf_counter()
         with _lease(storage, name):
             if not os.path.lexists(os.path.join(storage.location, name, MANIFEST)):
                 # deleted by a live trainer's retention between listing and reading
+                if not args.all and args.step is None and repicks < 9:
+                    repicks += 1  # the newest one was asked for: the next newest it is
+                    steps = [_pick_live(storage, None, "verify")]
+                    continue
                 print(f"step {s}: gone (deleted while listing), skipped")
                 continue
             try:
@@ -579,10 +600,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{m.hash_algorithm} verified in {dt:.2f} s)"
         )
     if failed:
-        print(f"{len(failed)} of {len(steps)} checkpoint(s) failed verification")
+        print(f"{len(failed)} of {total} checkpoint(s) failed verification")
         sys.stdout.flush()
         print(
-            f"pitstop: {storage.location}: {len(failed)} of {len(steps)} checkpoint(s) failed "
+            f"pitstop: {storage.location}: {len(failed)} of {total} checkpoint(s) failed "
             f"verification (step {', '.join(map(str, failed))}; see above); a restore moves "
             "a corrupt checkpoint aside and falls back to the previous valid one",
             file=sys.stderr,
