@@ -12,9 +12,11 @@ verification, 2 anything else that went wrong (bad arguments, no such directory 
 directory busy or read-only). A failure is one line ``pitstop: ...`` on stderr that names
 the path and what to do; the command never prints a traceback.
 
-Names are those of :mod:`pitstop.core.names`: a checkpoint is ``step_<10 digits>``; one moved aside
-is ``step_<10 digits>.corrupt-<time>-<4 hex>`` or ``.abandoned-<time>-<4 hex>``; anything
-else (``step_5`` included) is not pitstop's, is listed as such and is never touched.
+Names are those of :mod:`pitstop.core.names`, by the naming the directory records in
+``.pitstop/directory.json``: a checkpoint is ``step_<10 digits>`` by default (``ckpt-<step>``,
+``<step>``, ... where the directory was created with another ``step_prefix`` / ``step_digits``);
+one moved aside is ``<name>.corrupt-<time>-<4 hex>`` or ``<name>.abandoned-<time>-<4 hex>``;
+anything else (``step_5`` included) is not pitstop's, is listed as such and is never touched.
 """
 
 from __future__ import annotations
@@ -36,15 +38,14 @@ from typing import Any
 
 from ..core import memtier
 from ..core.errors import CheckpointError, CorruptCheckpointError, DirectoryLockedError
-from ..core.names import parse_aside_name, parse_step_name, step_name
+from ..core.names import DEFAULT, Naming
 from ..core.reader import CheckpointReader, nbytes_of
 from ..core.storage import local as _local
 from ..core.storage.local import MANIFEST, META_DIR, LocalStorage
 
 OK, CORRUPT, ERROR = 0, 1, 2
-#: what pitstop names the temporaries of interrupted saves and deletions (a directory in
-#: DIR) and of interrupted writes of .pitstop/ files (a file in .pitstop/)
-_TMP_ENTRY = getattr(_local, "_TMP_ENTRY", re.compile(r"^\.tmp-.+-[0-9a-f]{8}$"))
+#: what pitstop names the temporaries of interrupted writes of .pitstop/ files (a file in
+#: .pitstop/); those of interrupted saves and deletions (a directory in DIR) are the naming's
 _TMP_META = getattr(_local, "_TMP_META", re.compile(r"^.+\.tmp-[0-9a-f]{8}$"))
 #: what the memory tier names its files after the directory's prefix: ``-<slot>.buf``, its
 #: description ``-<slot>.json``, and ``-<slot>.json.tmp`` while a description is being
@@ -145,16 +146,45 @@ def _open(directory: str) -> LocalStorage:
     return LocalStorage(directory, create=False)
 
 
+def _naming(storage: LocalStorage) -> Naming:
+    """How the directory names its checkpoints (``.pitstop/directory.json``): the default
+    where none is recorded, or where that file is unreadable (gc then says so)."""
+    try:
+        raw = storage.read_meta("directory.json")
+        doc = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
+        return DEFAULT
+    if not isinstance(doc, dict) or "naming" not in doc:
+        return DEFAULT  # none yet, or written before namings were recorded
+    try:
+        return Naming.from_json(doc["naming"])
+    except CheckpointError as e:
+        raise CliError(
+            f"{os.path.join(storage.location, META_DIR, 'directory.json')}: records no valid "
+            f"checkpoint naming ({_one_line(e)}); pitstop cannot tell which entries are its "
+            'checkpoints: write back the naming they have, e.g. "naming": {"step_prefix": '
+            '"step_", "step_digits": 10} for step_0000000042'
+        ) from None
+
+
+def _looks_like(naming: Naming, entry: str) -> bool:
+    """A foreign entry spelled almost like one of the naming's checkpoints (``step_5``)."""
+    rest = entry[len(naming.prefix):] if entry.startswith(naming.prefix) else None
+    return rest is not None and (bool(naming.prefix) or rest[:1].isdigit())
+
+
 @dataclass
 class Listing:
     """What a checkpoint directory holds, by pitstop's names (:mod:`pitstop.core.names`)."""
 
     location: str
-    #: committed checkpoints: ``step_<10 digits>`` directories with a manifest.json
+    #: how the directory names its checkpoints (``step_<10 digits>`` by default)
+    naming: Naming = DEFAULT
+    #: committed checkpoints: directories named by ``naming`` with a manifest.json
     steps: list[int] = field(default_factory=list)
     #: (name, step, reason) of checkpoints moved aside: reason "corrupt" or "abandoned"
     aside: list[tuple[str, int, str]] = field(default_factory=list)
-    #: (name, what is wrong) of ``step_<10 digits>`` entries that are no checkpoint
+    #: (name, what is wrong) of entries named like checkpoints that are no checkpoint
     odd: list[tuple[str, str]] = field(default_factory=list)
     #: names pitstop did not make (``step_5`` included): listed, never touched
     foreign: list[str] = field(default_factory=list)
@@ -177,18 +207,19 @@ def _scan(storage: LocalStorage) -> Listing:
         entries = sorted(os.listdir(loc))
     except OSError as err:
         raise CliError(f"{loc}: cannot list it ({err.strerror}); check your permissions") from None
-    out = Listing(loc)
+    naming = _naming(storage)
+    out = Listing(loc, naming)
     for entry in entries:
         path = os.path.join(loc, entry)
         if entry == META_DIR:
             continue
-        if _TMP_ENTRY.match(entry):
+        if naming.parse_tmp(entry) is not None:
             # pitstop's temporaries are directories; a file or link of that name is not one
             (out.tmp if _kind(path) == stat.S_IFDIR else out.foreign).append(entry)
             continue
         if entry.startswith("."):
             continue  # hidden files: none of pitstop's business
-        step = parse_step_name(entry)
+        step = naming.parse(entry)
         if step is not None:
             manifest = os.path.join(path, MANIFEST)
             if os.path.isfile(manifest):  # what storage.list_checkpoints() counts
@@ -206,7 +237,7 @@ def _scan(storage: LocalStorage) -> Listing:
             else:
                 out.odd.append((entry, "no manifest.json: not a committed checkpoint"))
             continue
-        aside = parse_aside_name(entry)
+        aside = naming.parse_aside(entry)
         if aside is not None:
             out.aside.append((entry, aside[0], aside[1]))
         else:
@@ -238,7 +269,11 @@ def _no_meta(listing: Listing) -> str:
 def _single_checkpoint_hint(listing: Listing, command: str) -> str:
     """When DIR is itself one checkpoint (a common slip), how to name it instead."""
     loc = listing.location
-    step = parse_step_name(os.path.basename(loc))
+    try:  # the naming of the directory that would hold it
+        naming = _naming(LocalStorage(os.path.dirname(loc), create=False))
+    except CliError:
+        naming = DEFAULT
+    step = naming.parse(os.path.basename(loc))
     if step is None or not os.path.isfile(os.path.join(loc, MANIFEST)):
         return ""
     which = f" --step {step}" if command in ("inspect", "verify") else ""
@@ -253,11 +288,11 @@ def _no_checkpoint(listing: Listing, command: str) -> str:
     hint = _single_checkpoint_hint(listing, command)
     if hint:
         return f"{loc}: no committed checkpoint inside{hint}"
-    look_alike = [f for f in listing.foreign if f.startswith("step_")]
+    look_alike = [f for f in listing.foreign if _looks_like(listing.naming, f)]
     if look_alike:
         return (
             f"{loc}: no committed checkpoint ({', '.join(look_alike[:5])} are not "
-            "pitstop's: pitstop names a checkpoint step_<step padded to 10 digits>)"
+            f"pitstop's: this directory names a checkpoint {listing.naming.describe()})"
         )
     if not listing.has_meta:
         return (
@@ -283,10 +318,11 @@ def _pick(listing: Listing, step: int | None, command: str) -> int:
             f"{listing.location}: no checkpoint of step {step} "
             f"(have: {', '.join(map(str, steps[-10:]))})"
         )
+        naming = listing.naming
         for f in listing.foreign:
-            m = re.fullmatch(r"step_(\d+)", f)
+            m = re.fullmatch(re.escape(naming.prefix) + "([0-9]{1,255})", f)
             if m and int(m.group(1)) == step:
-                msg += f"; {f} is not pitstop's (pitstop names step {step} {step_name(step)})"
+                msg += f"; {f} is not pitstop's (pitstop names step {step} {naming.name(step)})"
         raise CliError(msg)
     return step
 
@@ -318,11 +354,11 @@ def _failure(e: BaseException, where: str) -> tuple[int, str]:
     return CORRUPT, f"{where}: malformed checkpoint ({type(e).__name__}: {e})"
 
 
-def _reader(storage: LocalStorage, name: str) -> CheckpointReader:
+def _reader(storage: LocalStorage, name: str, naming: Naming) -> CheckpointReader:
     """The checkpoint's reader (manifest parsed and validated); any failure is a CliError
     with the right exit status: 1 when the checkpoint is at fault, 2 when it is not."""
     try:
-        return CheckpointReader(storage, name)
+        return CheckpointReader(storage, name, naming=naming)
     except Exception as e:  # noqa: BLE001 - every way a manifest can be broken
         code, why = _failure(e, storage.path_of(name))
         raise CliError(why, code) from None
@@ -340,6 +376,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     listing = _scan(storage)
     steps = listing.steps
+    naming = listing.naming
     out = sys.stdout
     print(f"{storage.location}: {len(steps)} checkpoint{'s' * (len(steps) != 1)}", file=out)
     if steps:
@@ -347,9 +384,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for s in steps:
             mark = "*" if s == steps[-1] else ""
             try:
-                m = _reader(storage, step_name(s)).manifest
+                m = _reader(storage, naming.name(s), naming).manifest
             except CliError as e:
-                if _gone(storage, step_name(s)):
+                if _gone(storage, naming.name(s)):
                     continue  # deleted by a live trainer's retention while listing
                 rows.append((mark, str(s), "-", "-", "-", f"unreadable: {_one_line(e)}"))
                 continue
@@ -404,8 +441,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     single = _single_checkpoint_hint(listing, "ls")
     if listing.foreign and not single:  # a checkpoint's own files are not foreign to it
         hint = (
-            "; pitstop names a checkpoint step_<step padded to 10 digits>"
-            if any(f.startswith("step_") for f in listing.foreign)
+            f"; this directory names a checkpoint {naming.describe()}"
+            if any(_looks_like(naming, f) for f in listing.foreign)
             else ""
         )
         print(f"not pitstop's: {', '.join(listing.foreign)} (left alone{hint})", file=out)
@@ -425,12 +462,13 @@ def _gone(storage: LocalStorage, name: str) -> bool:
     return not os.path.lexists(os.path.join(storage.location, name, MANIFEST))
 
 
-def _pick_live(storage: LocalStorage, step: int | None, command: str) -> int:
+def _pick_live(storage: LocalStorage, step: int | None, command: str) -> tuple[int, Naming]:
     """The checkpoint to read: the newest one (again, if it vanishes while a trainer
-    writes), or ``step``."""
+    writes), or ``step``; and the directory's naming."""
     for attempt in range(10):
         try:
-            picked = _pick(_scan(storage), step, command)
+            listing = _scan(storage)
+            picked = _pick(listing, step, command)
         except CliError:
             # a live trainer's retention may have deleted the newest one between listing
             # and looking at it, and committed the next a moment later: look again
@@ -438,23 +476,23 @@ def _pick_live(storage: LocalStorage, step: int | None, command: str) -> int:
                 raise
             time.sleep(0.01)
             continue
-        if step is not None or not _gone(storage, step_name(picked)):
-            return picked
-    return picked
+        if step is not None or not _gone(storage, listing.naming.name(picked)):
+            return picked, listing.naming
+    return picked, listing.naming
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     for attempt in range(10):
-        step = _pick_live(storage, args.step, "inspect")
-        name = step_name(step)
+        step, naming = _pick_live(storage, args.step, "inspect")
+        name = naming.name(step)
         where = storage.path_of(name)
         retry = args.step is None and attempt < 9
         with _lease(storage, name):
             if retry and _gone(storage, name):
                 continue  # deleted by a live trainer's retention before the lease: look again
             try:
-                m = _reader(storage, name).manifest  # validated before anything is printed
+                m = _reader(storage, name, naming).manifest  # validated before any print
             except CliError as err:
                 if retry and _gone(storage, name):
                     continue
@@ -542,6 +580,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _open(args.dir)
     listing = _scan(storage)
+    naming = listing.naming
     if args.all:
         for _ in range(10):
             if listing.steps or not (listing.odd or listing.tmp):
@@ -554,14 +593,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not steps:
             raise CliError(_no_checkpoint(listing, "verify"))
     else:
-        steps = [_pick_live(storage, args.step, "verify")]
+        picked, naming = _pick_live(storage, args.step, "verify")
+        steps = [picked]
     failed: list[int] = []
     unchecked: list[str] = []
     repicks = 0
     total = len(steps)
     while steps:
         s = steps.pop(0)
-        name = step_name(s)
+        name = naming.name(s)
         where = storage.path_of(name)
         t0 = time.perf_counter()
         with _lease(storage, name):
@@ -569,12 +609,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 # deleted by a live trainer's retention between listing and reading
                 if not args.all and args.step is None and repicks < 9:
                     repicks += 1  # the newest one was asked for: the next newest it is
-                    steps = [_pick_live(storage, None, "verify")]
+                    picked, naming = _pick_live(storage, None, "verify")
+                    steps = [picked]
                     continue
                 print(f"step {s}: gone (deleted while listing), skipped")
                 continue
             try:
-                reader = CheckpointReader(storage, name)
+                reader = CheckpointReader(storage, name, naming=naming)
                 reader.verify()
             except CorruptCheckpointError as e:
                 failed.append(s)
@@ -629,9 +670,11 @@ Remove what pitstop itself left behind, and nothing else:
     snapshot of a step newer than the newest committed step, which the next
     CheckpointManager on DIR recovers; --drop-recoverable removes that one too.
 
-gc never deletes a committed checkpoint (step_<10 digits>), a quarantined one
-(step_<10 digits>.corrupt-<time>-<4 hex>: it failed verification), an abandoned one
-(step_<10 digits>.abandoned-<time>-<4 hex>: newer steps of a run that was rolled back
+Only <name>s of the directory's naming count (.pitstop/directory.json; by default
+step_<10 digits>, or e.g. ckpt-<step> for step_prefix="ckpt-", step_digits=0).
+gc never deletes a committed checkpoint (<name>), a quarantined one
+(<name>.corrupt-<time>-<4 hex>: it failed verification), an abandoned one
+(<name>.abandoned-<time>-<4 hex>: newer steps of a run that was rolled back
 to an older step), nor anything whose name pitstop did not make (step_5, your own
 files): delete those by hand. It runs only while no writer holds DIR.
 """

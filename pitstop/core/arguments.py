@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import CheckpointError, InvalidArgumentError
 from .hashing import ALGORITHMS
+from .names import DEFAULT, Naming
 from .policy import number_metric, positive_int
 from .storage import Storage, open_storage
 
@@ -51,6 +52,13 @@ def check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best
             f"directory on a tmpfs; got {memory_tier!r}")
     if isinstance(memory_tier, (str, os.PathLike)) and not os.fspath(memory_tier):
         raise InvalidArgumentError("memory_tier must name a directory, got an empty path")
+
+
+def check_naming(step_prefix: Any, step_digits: Any) -> None:
+    """Check ``step_prefix`` and ``step_digits`` (each None or a valid part of a
+    :class:`~pitstop.core.names.Naming`); a bad one raises InvalidArgumentError naming it."""
+    Naming(DEFAULT.prefix if step_prefix is None else step_prefix,
+           DEFAULT.digits if step_digits is None else step_digits)
 
 
 def check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:

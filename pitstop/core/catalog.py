@@ -18,11 +18,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, InvalidArgumentError
 from .manifest import Manifest
-from .names import parse_step_name, step_name
+from .names import DEFAULT, Naming
 from .policy import CheckpointInfo, RetentionPolicy, to_delete
 from .reader import CheckpointReader
 from .storage import Storage
@@ -34,9 +35,19 @@ _ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 INDEX = "index.json"
 
 
-def read_identity(storage: Storage, *, required: bool) -> str | None:
-    """The directory's id; None when it has none yet. A malformed identity file raises
-    (``required``: a writer must not guess whose checkpoints these are) or reads as none."""
+@dataclass(frozen=True)
+class Identity:
+    """What ``.pitstop/directory.json`` says: the directory's id and how its checkpoints are
+    named (:data:`~pitstop.core.names.DEFAULT` where no naming is recorded: older pitstop)."""
+
+    directory_id: str
+    naming: Naming
+
+
+def read_identity(storage: Storage, *, required: bool) -> Identity | None:
+    """The directory's identity; None when it has none yet. A malformed identity file raises
+    (``required``: a writer must not guess whose checkpoints these are, nor their names) or
+    reads as none."""
     try:
         raw = storage.read_meta(IDENTITY)
     except OSError as e:
@@ -51,7 +62,6 @@ def read_identity(storage: Storage, *, required: bool) -> str | None:
         if not isinstance(ident, str) or not _ID.match(ident):
             # the id names memory-tier files: nothing but letters, digits, - and _
             raise TypeError(f"directory_id {ident!r} is not 1-64 letters, digits, - or _")
-        return ident
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         if not required:
             log.warning("pitstop: %s/.pitstop/%s is malformed (%s); reading without it",
@@ -62,22 +72,57 @@ def read_identity(storage: Storage, *, required: bool) -> str | None:
             f"({type(e).__name__}: {e}; it holds {raw[:60]!r}). Remove that file to give the "
             "directory a new identity: retention then leaves the checkpoints already there "
             "alone, since it can no longer prove this directory wrote them.") from None
+    if "naming" not in doc:
+        return Identity(ident, DEFAULT)  # written before namings were recorded
+    try:
+        return Identity(ident, Naming.from_json(doc["naming"]))
+    except InvalidArgumentError as e:
+        if not required:
+            log.warning("pitstop: %s/.pitstop/%s records no valid naming (%s); reading without "
+                        "it", storage.location, IDENTITY, e)
+            return None
+        raise CheckpointError(
+            f"{storage.location}/.pitstop/{IDENTITY} records no valid checkpoint naming ({e}). "
+            "Write back the naming its checkpoints have, e.g. \"naming\": {\"step_prefix\": "
+            "\"step_\", \"step_digits\": 10} for step_0000000042; pitstop will not guess "
+            "which entries are its checkpoints.") from None
 
 
-def create_identity(storage: Storage) -> str:
+def create_identity(storage: Storage, naming: Naming = DEFAULT) -> str:
+    """Give the directory a new id, recording how its checkpoints are named; returns the id."""
     ident = uuid.uuid4().hex
     storage.write_meta(IDENTITY, json.dumps(
-        {"directory_id": ident, "created_unix": time.time()}).encode())
+        {"directory_id": ident, "created_unix": time.time(),
+         "naming": naming.to_json()}).encode())
     return ident
+
+
+def resolve_naming(location: str, recorded: Naming | None, step_prefix: str | None,
+                   step_digits: int | None) -> Naming:
+    """The naming a manager uses: what the directory recorded, with the arguments given
+    (None adopts the recorded part); a naming that differs from the recorded one raises."""
+    base = recorded or DEFAULT
+    asked = Naming(base.prefix if step_prefix is None else step_prefix,
+                   base.digits if step_digits is None else step_digits)
+    if recorded is not None and asked != recorded:
+        raise InvalidArgumentError(
+            f"checkpoint directory {location} names its checkpoints {recorded.describe()} "
+            f"(step_prefix={recorded.prefix!r}, step_digits={recorded.digits}, recorded in "
+            f".pitstop/{IDENTITY} when it was created), but this manager asks for "
+            f"{asked.describe()} (step_prefix={asked.prefix!r}, step_digits={asked.digits}). A "
+            "directory keeps one naming: leave step_prefix and step_digits out (or pass the "
+            "recorded ones) to use it, or give a new directory for the other naming.")
+    return asked
 
 
 class Catalog:
     """The index of committed checkpoints, retention and moving checkpoints aside."""
 
     def __init__(self, storage: Storage, directory_id: str, retention: list[RetentionPolicy],
-                 *, read_only: bool,
+                 *, read_only: bool, naming: Naming = DEFAULT,
                  on_save: Callable[[Any], None] | None = None) -> None:
         self.storage = storage
+        self.naming = naming
         self.directory_id = directory_id
         self.retention = retention
         self.read_only = read_only
@@ -92,7 +137,7 @@ class Catalog:
         """Committed steps on disk, oldest first (only names pitstop makes)."""
         out = []
         for name in self.storage.list_checkpoints():
-            step = parse_step_name(name)
+            step = self.naming.parse(name)
             if step is not None:
                 out.append(step)
         return sorted(out)
@@ -131,7 +176,8 @@ class Catalog:
                 index[s] = known[s]
                 continue
             try:
-                m = CheckpointReader(self.storage, step_name(s)).manifest
+                m = CheckpointReader(self.storage, self.naming.name(s),
+                                     naming=self.naming).manifest
             except CheckpointError as e:
                 log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
                 index[s] = CheckpointInfo(s, {}, ours=False)
@@ -183,10 +229,10 @@ class Catalog:
                 self.index[s] = CheckpointInfo(s, old.metrics, False, old.all_finite,
                                                old.protected)
                 log.warning("pitstop: retention leaves %s alone: this manager did not "
-                            "write it", self.storage.path_of(step_name(s)))
+                            "write it", self.storage.path_of(self.naming.name(s)))
                 continue
             try:
-                if self.storage.delete_if_unread(step_name(s)):
+                if self.storage.delete_if_unread(self.naming.name(s)):
                     del self.index[s]
                     log.info("pitstop: retention deleted step %d", s)
                 else:
@@ -200,7 +246,8 @@ class Catalog:
         """True when the checkpoint's own manifest names this directory's id (checked right
         before retention deletes it: pitstop never deletes what it did not write)."""
         try:
-            m = CheckpointReader(self.storage, step_name(step)).manifest
+            m = CheckpointReader(self.storage, self.naming.name(step),
+                                 naming=self.naming).manifest
         except (CheckpointError, OSError):
             return False
         return bool(self.directory_id) and m.directory_id == self.directory_id
@@ -211,7 +258,7 @@ class Catalog:
         new name, or None when it stays (read-only, or a storage that cannot move it)."""
         if self.read_only:
             return None
-        name = step_name(step)
+        name = self.naming.name(step)
         try:
             new = self.storage.move_aside(name, reason)
         except FileNotFoundError:
@@ -244,4 +291,4 @@ class Catalog:
             return sorted(s for s, i in self.index.items() if i.all_finite)
 
 
-__all__ = ["Catalog", "read_identity", "create_identity"]
+__all__ = ["Catalog", "Identity", "read_identity", "create_identity", "resolve_naming"]

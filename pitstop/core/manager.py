@@ -32,13 +32,14 @@ from . import memtier as memtier_mod
 from .arguments import (
     check_arguments,
     check_callables,
+    check_naming,
     check_user_metadata,
     clean_metrics,
     open_directory,
     step_arg,
     wrap_os,
 )
-from .catalog import Catalog, create_identity, read_identity
+from .catalog import Catalog, create_identity, read_identity, resolve_naming
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
 from .errors import (
     CheckpointError,
@@ -53,7 +54,7 @@ from .hashing import DEFAULT
 from .lifecycle import Resources, TierFallback, lost_signal_message
 from .manifest import Manifest
 from .memtier import MemoryTier
-from .names import step_name
+from .names import Naming, step_name
 from .policy import (
     AnyOf,
     AutoInterval,
@@ -101,7 +102,9 @@ class CheckpointManager:
     ``save`` blocks only for an in-memory snapshot; hashing, writing, fsync, the atomic
     commit and retention run in the background (``async_save=False`` does it all inline).
     ``step`` is the per-training-step call: it saves when a policy says so. ``restore``
-    puts the newest valid checkpoint back into live objects, in place.
+    puts the newest valid checkpoint back into live objects, in place. ``naming`` says how
+    the directory names its checkpoints (``step_prefix`` / ``step_digits`` when it was
+    created; ``step_`` + 10 digits by default).
     """
 
     def __init__(
@@ -131,6 +134,8 @@ class CheckpointManager:
         durable: bool = True,
         read_only: bool = False,
         on_save: Callable[[SaveStats], None] | None = None,
+        step_prefix: str | None = None,
+        step_digits: int | None = None,
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -140,6 +145,7 @@ class CheckpointManager:
         check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         check_callables(save_policy, retention, on_save)
+        check_naming(step_prefix, step_digits)
         check_signals(save_on_signals)  # all of them, before anything is installed or written
         self.storage = open_directory(directory, durable=durable, create=not read_only)
         self.directory = self.storage.location
@@ -170,9 +176,13 @@ class CheckpointManager:
         self.retention = retention_list
 
         if read_only:
-            self.directory_id = read_identity(self.storage, required=False) or ""
+            identity = read_identity(self.storage, required=False)
+            self.directory_id = identity.directory_id if identity else ""
+            #: how this directory names its checkpoints (recorded in .pitstop/directory.json)
+            self.naming: Naming = resolve_naming(
+                self.directory, identity.naming if identity else None, step_prefix, step_digits)
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
-                                    read_only=True)
+                                    read_only=True, naming=self.naming)
             wrap_os(self._catalog.reconcile, self.directory, write=False)
             self._policy: SavePolicy | None = None
             self._signals = SignalSaver(None)
@@ -190,14 +200,17 @@ class CheckpointManager:
             mp.util.Finalize(None, Resources.release, args=(self._res, True),
                              exitpriority=10)
         try:
-            self.directory_id = read_identity(self.storage, required=True) or \
-                wrap_os(create_identity, self.directory, self.storage)
-            removed = wrap_os(self.storage.cleanup_incomplete, self.directory)
+            identity = read_identity(self.storage, required=True)
+            self.naming = resolve_naming(self.directory, identity.naming if identity else None,
+                                         step_prefix, step_digits)
+            self.directory_id = identity.directory_id if identity else \
+                wrap_os(create_identity, self.directory, self.storage, self.naming)
+            removed = wrap_os(self.storage.cleanup_incomplete, self.directory, self.naming)
             if removed:
                 log.warning("pitstop: removed %d leftover(s) of interrupted saves in %s: %s",
                             len(removed), self.directory, ", ".join(removed))
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
-                                    read_only=False, on_save=on_save)
+                                    read_only=False, naming=self.naming, on_save=on_save)
             wrap_os(self._catalog.reconcile, self.directory, write=True)
 
             # memory tier
@@ -215,7 +228,7 @@ class CheckpointManager:
                 self.storage, hash_algorithm=hash_algorithm, compression=compression,
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
                 directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
-                name_of=step_name, copy_threads=copy_threads)
+                name_of=self.naming.name, copy_threads=copy_threads)
             self.hooks = self._engine.hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
 
@@ -296,13 +309,13 @@ class CheckpointManager:
         with self._api_lock:
             if step in self._catalog.index:
                 raise StepExistsError(
-                    f"{self.storage.path_of(step_name(step))} already exists; pitstop never "
+                    f"{self._path(step)} already exists; pitstop never "
                     "overwrites a committed checkpoint. Save under a new step, or delete it "
                     "first.")
             if step in engine.pending_steps():
                 raise StepExistsError(
                     f"step {step} is already being saved to "
-                    f"{self.storage.path_of(step_name(step))} (by an earlier save or step() "
+                    f"{self._path(step)} (by an earlier save or step() "
                     "call); pitstop never saves a step twice. mgr.wait() waits for it; to save "
                     "the final state of a run, check mgr.latest_step() != step first.")
             if self._signals.pending is not None:
@@ -387,15 +400,16 @@ class CheckpointManager:
             if step is None and s not in self._committed():
                 continue  # deleted meanwhile (another writer's retention): not corrupt
             try:
-                with self.storage.read_lease(step_name(s)), _no_gc():
-                    return CheckpointReader(self.storage, step_name(s)).load()
+                with self.storage.read_lease(self.naming.name(s)), _no_gc():
+                    return CheckpointReader(self.storage, self.naming.name(s),
+                                            naming=self.naming).load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
                     raise
                 warnings.warn(f"pitstop: skipping unreadable checkpoint: {e}", stacklevel=2)
                 last = e
             except OSError as e:
-                raise CheckpointError(f"cannot read {self.storage.path_of(step_name(s))}: "
+                raise CheckpointError(f"cannot read {self._path(s)}: "
                                       f"{e}") from e
         if isinstance(last, UnsupportedFormatError):
             raise last
@@ -429,7 +443,7 @@ class CheckpointManager:
             self._engine.drain()
         if step not in self._committed(hidden=True):
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
-        return CheckpointReader(self.storage, step_name(step)).manifest
+        return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming).manifest
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save to commit; raises a background failure not yet
@@ -594,7 +608,7 @@ class CheckpointManager:
         for s in newer:
             new = self._catalog.move_aside(s, "abandoned")
             if new is not None:
-                moved.append(f"{step_name(s)} -> {new}")
+                moved.append(f"{self.naming.name(s)} -> {new}")
         if moved:
             self._warn_once(
                 f"abandoned:{restored}:{newer}",
@@ -653,7 +667,7 @@ class CheckpointManager:
             except CorruptCheckpointError as e:
                 if not e.overwritten and s not in self._committed():
                     continue  # deleted meanwhile (another writer's retention): not corrupt
-                msg = (f"pitstop: checkpoint {self.storage.path_of(step_name(s))} is corrupt "
+                msg = (f"pitstop: checkpoint {self._path(s)} is corrupt "
                        f"({e}); falling back to the previous one")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
@@ -662,7 +676,7 @@ class CheckpointManager:
                 continue
             except UnsupportedFormatError as e:
                 # written by a newer pitstop: not corrupt, so never moved aside
-                msg = (f"pitstop: cannot read checkpoint {self.storage.path_of(step_name(s))} "
+                msg = (f"pitstop: cannot read checkpoint {self._path(s)} "
                        f"({e}); falling back to the previous one")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
@@ -701,7 +715,7 @@ class CheckpointManager:
             err = CorruptCheckpointError(
                 f"no valid checkpoint in {self.directory}: all {len(corrupt)} failed "
                 f"verification ({'; '.join(str(c) for c in corrupt[:3])}). They were moved "
-                "aside as step_*.corrupt-*; restore() again starts from scratch."
+                f"aside as {self.naming.prefix}*.corrupt-*; restore() again starts from scratch."
                 + (f" The target already holds bytes of a corrupt checkpoint in: {written}; "
                    "rebuild it before training from scratch." if written else ""),
                 checkpoint=self.directory)
@@ -710,17 +724,18 @@ class CheckpointManager:
         return None, None
 
     def _restore_one(self, step: int, flat: FlatState, strict: bool) -> RestoreReport:
-        name = step_name(step)
+        name = self.naming.name(step)
         try:
             with self.storage.read_lease(name):
-                return CheckpointReader(self.storage, name).restore_into(flat, strict)
+                return CheckpointReader(self.storage, name, naming=self.naming).restore_into(
+                    flat, strict)
         except OSError as e:
             raise CheckpointError(f"cannot read {self.storage.path_of(name)}: "
                                   f"{type(e).__name__}: {e}") from e
 
     def _quarantine(self, step: int) -> None:
         """Move a corrupt checkpoint aside (never deleted) so later saves can reuse its step."""
-        name = step_name(step)
+        name = self.naming.name(step)
         new = self._catalog.move_aside(step, "corrupt")
         if new is None:
             if not self.read_only:
@@ -784,6 +799,10 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"this CheckpointManager ({self.directory}) is closed")
         return self._engine
+
+    def _path(self, step: int) -> str:
+        """Where the checkpoint of ``step`` is (or would be)."""
+        return self.storage.path_of(self.naming.name(step))
 
     def _committed(self, *, hidden: bool = False) -> list[int]:
         """Committed steps on disk; the abandoned run's ones (after a restore of an older

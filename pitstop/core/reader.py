@@ -15,7 +15,7 @@ from .dtypes import decode_dtype
 from .errors import CheckpointError, CorruptCheckpointError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
-from .names import parse_step_name
+from .names import DEFAULT, Naming
 from .restore import RestoredStep, RestorePlan, RestoreReport
 from .storage.local import MANIFEST, pread_full
 from .tree import FlatState, decode_value, join, unflatten
@@ -39,10 +39,11 @@ class ReadableStorage(Protocol):
 
 
 class CheckpointReader:
-    """One committed checkpoint ``name`` in ``storage``."""
+    """One committed checkpoint ``name`` in ``storage``, a directory whose checkpoints are
+    named by ``naming`` (its manifest must be of the step the name holds)."""
 
     def __init__(self, storage: ReadableStorage, name: str, *,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, naming: Naming = DEFAULT) -> None:
         self.storage = storage
         self.name = name
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
@@ -56,7 +57,7 @@ class CheckpointReader:
         except OSError as e:
             raise _os_error(self.where, MANIFEST, e) from None
         self.manifest: Manifest = parse(data, self.where)
-        named = parse_step_name(name)
+        named = naming.parse(name)
         if named is not None and named != self.manifest.step:
             # a checkpoint renamed or copied in under another step: never restore it as that
             raise CorruptCheckpointError(

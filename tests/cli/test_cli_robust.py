@@ -896,7 +896,7 @@ def test_names_come_from_core():
     import pitstop.cli as cli
     from pitstop.core import names
 
-    assert cli.step_name is names.step_name
+    assert cli.Naming is names.Naming and cli.DEFAULT is names.DEFAULT
     assert not hasattr(cli, "_STEP") and not hasattr(cli, "_QUARANTINED")
 
 

@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from ..names import DEFAULT, Naming
+
 
 class Writer(ABC):
     @abstractmethod
@@ -79,7 +81,9 @@ class Storage(ABC):
     def delete(self, name: str) -> None: ...
 
     @abstractmethod
-    def cleanup_incomplete(self) -> list[str]: ...
+    def cleanup_incomplete(self, naming: Naming = DEFAULT) -> list[str]:
+        """Remove what interrupted transactions of checkpoints named by ``naming`` left;
+        returns what was removed."""
 
     @abstractmethod
     def read_meta(self, relpath: str) -> bytes | None:

@@ -18,13 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import DirectoryLockedError, StepExistsError
-from ..names import aside_name
+from ..names import DEFAULT, Naming, aside_name, tmp_name
 from .base import Storage, Transaction, Writer
 
-TMP_PREFIX = ".tmp-"
-#: what begin()/delete() name their temporaries (and write_meta inside META_DIR): cleanup
-#: removes these only, never anything else a user keeps in the directory
-_TMP_ENTRY = re.compile(r"^\.tmp-(deleting-)?step_\d{10,}-[0-9a-f]{8}$")
+#: what write_meta names its temporaries inside META_DIR (begin() and delete() name theirs
+#: by names.tmp_name): cleanup removes these only, never anything else a user keeps there
 _TMP_META = re.compile(r"^.+\.tmp-[0-9a-f]{8}$")
 META_DIR = ".pitstop"
 MANIFEST = "manifest.json"
@@ -105,7 +103,7 @@ class _LocalTransaction(Transaction):
     def __init__(self, storage: LocalStorage, name: str) -> None:
         self.storage = storage
         self.name = name
-        self.tmp = os.path.join(storage.location, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+        self.tmp = os.path.join(storage.location, tmp_name(name, uuid.uuid4().hex[:8]))
         os.mkdir(self.tmp)
         self.location = os.path.join(storage.location, name)
 
@@ -157,7 +155,7 @@ class LocalStorage(Storage):
         path = os.path.join(self.location, name)
         # Rename first so a crash mid-delete leaves a leftover that cleanup removes, never a
         # half-deleted directory that looks committed.
-        trash = os.path.join(self.location, f"{TMP_PREFIX}deleting-{name}-{uuid.uuid4().hex[:8]}")
+        trash = os.path.join(self.location, tmp_name(name, uuid.uuid4().hex[:8], deleting=True))
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -220,14 +218,14 @@ class LocalStorage(Storage):
             fsync_dir(self.location)
         return new
 
-    def cleanup_incomplete(self) -> list[str]:
+    def cleanup_incomplete(self, naming: Naming = DEFAULT) -> list[str]:
         """Remove what interrupted saves, deletions and index writes left; only entries whose
-        name and type pitstop makes (a directory ``.tmp-step_…``, a file ``.pitstop/….tmp-…``),
-        and only those really removed are returned."""
+        name and type pitstop makes (a directory ``.tmp-<checkpoint name of naming>-…``, a
+        file ``.pitstop/….tmp-…``), and only those really removed are returned."""
         removed = []
         for entry in os.listdir(self.location):
             path = os.path.join(self.location, entry)
-            if _TMP_ENTRY.match(entry) and _is(path, stat.S_ISDIR):
+            if naming.parse_tmp(entry) is not None and _is(path, stat.S_ISDIR):
                 shutil.rmtree(path, ignore_errors=True)
                 if not os.path.lexists(path):
                     removed.append(entry)
