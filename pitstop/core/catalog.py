@@ -252,6 +252,34 @@ class Catalog:
             return False
         return bool(self.directory_id) and m.directory_id == self.directory_id
 
+    def delete(self, step: int) -> None:
+        """Delete one committed checkpoint this directory's runs wrote (an explicit request:
+        ``CheckpointManager.delete``); raises when it may not or cannot."""
+        name = self.naming.name(step)
+        where = self.storage.path_of(name)
+        if not self._written_here(step):
+            raise CheckpointError(
+                f"{where} was not written by this directory's runs (its manifest names "
+                "another directory, or it cannot be read); pitstop deletes only its own "
+                "checkpoints. Remove it by hand if you mean to.")
+        try:
+            deleted = self.storage.delete_if_unread(name)
+        except FileNotFoundError:
+            deleted = True
+        except OSError as e:
+            raise CheckpointError(f"could not delete {where}: {e}") from e
+        if not deleted:
+            raise CheckpointError(
+                f"{where} is being read (a restore, `pitstop verify`...) in another process; "
+                "try again when it is done")
+        with self.lock:
+            self.index.pop(step, None)
+            try:
+                self._write_index()
+            except OSError as e:
+                self.dirty = True
+                log.warning("pitstop: could not update the index: %s", e)
+
     # ------------------------------------------------------------------ moving aside
     def move_aside(self, step: int, reason: str) -> str | None:
         """Move a checkpoint out of the listing, whole ("corrupt", "abandoned"); returns its

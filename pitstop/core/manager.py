@@ -432,6 +432,20 @@ class CheckpointManager:
         steps.update(r.step for r in self._recovered_all)
         return sorted(steps)
 
+    def delete(self, step: int) -> None:
+        """Delete the committed checkpoint of ``step`` (waiting for it if it is being saved),
+        e.g. to write that step again; only checkpoints this directory's runs wrote."""
+        engine = self._writer()
+        step = step_arg(step)
+        with self._api_lock:
+            if step in engine.pending_steps():
+                engine.drain()
+            if step not in self._committed(hidden=True):
+                raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
+            self._catalog.delete(step)
+            self._recovered_all = self._res.recovered = [
+                r for r in self._recovered_all if r.step != step]
+
     def metadata(self, step: int) -> Manifest:
         """The parsed manifest of one checkpoint (metrics, user metadata, arrays)."""
         self._check_usable()
