@@ -1,4 +1,5 @@
-"""Suite-wide set-up: the signal dispositions the signal tests rely on.
+"""Suite-wide set-up: the signal dispositions the signal tests rely on, and frameworks
+that need a process of their own.
 
 A test run started in the background by a non-interactive shell (``make test &``, a CI
 runner started so) inherits SIGINT ignored, and so would every subprocess a test starts;
@@ -8,6 +9,24 @@ default, as in an interactive terminal.
 """
 
 import signal
+from pathlib import Path
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+#: test folders that run only in a pytest process of their own: TensorFlow and the triton
+#: that torch imports (through torch.optim -> torch._dynamo) crash when one process loads
+#: both. ``pytest tests`` runs each in a subprocess (tests/test_isolated_suites.py);
+#: ``pytest tests/tf`` runs it directly.
+ISOLATED = {"tf": "tensorflow"}
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    path = Path(collection_path).resolve()
+    if path.parent != HERE or path.name not in ISOLATED:
+        return None
+    asked = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    only_this = bool(asked) and all(a == path or path in a.parents for a in asked)
+    return None if only_this else True
