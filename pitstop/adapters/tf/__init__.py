@@ -1,0 +1,35 @@
+"""TensorFlow support: tf.train's Checkpoint and CheckpointManager with one import changed,
+and TensorFlow objects straight in the state you give pitstop's own manager.
+
+>>> from pitstop.adapters.tf import Checkpoint, CheckpointManager   # was: tf.train
+>>> ckpt = Checkpoint(model=model, optimizer=opt, step=step)
+>>> manager = CheckpointManager(ckpt, "/runs/a", max_to_keep=3)
+>>> manager.restore_or_initialize()
+
+>>> state = {"model": model, "opt": optimizer, "gen": tf.random.Generator.from_seed(0),
+...          "data": iter(dataset), "step": tf.Variable(0, dtype=tf.int64)}
+>>> start = mgr.restore(state)               # None on a fresh run
+
+Every trackable object (``tf.train.Checkpoint``, ``tf.Module``, Keras 3 models, layers and
+optimizers on the TensorFlow backend, ``tf.random.Generator``, ``tf.data`` iterators) is saved
+as the object graph ``tf.train.Checkpoint`` would save, keyed as TensorFlow keys it, and
+restored by TensorFlow's matching rules, values for objects created later included. Variables
+of every dtype (bfloat16 too) are read at the snapshot and assigned on restore; a ``tf.data``
+iterator's opaque state is kept as bytes. This module is imported by the adapter registry the
+first time a TensorFlow object shows up in a state.
+"""
+
+from __future__ import annotations
+
+from ..registry import register_adapter
+from ..rng import register_rng_provider
+from . import _rng
+from ._adapter import TensorHint, TrackableAdapter, VariableAdapter
+from ._leaf import VariableLeaf
+from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager
+
+for _adapter in (VariableAdapter(), TrackableAdapter(), TensorHint()):
+    register_adapter(_adapter)
+register_rng_provider("tensorflow", _rng.get_state, _rng.set_state, module="tensorflow")
+
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointLoadStatus", "VariableLeaf"]

@@ -1,0 +1,74 @@
+"""The TensorFlow objects a pitstop state can hold, and how each is captured and restored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ...core.errors import UnsupportedStateError
+from . import _graph
+from ._leaf import VariableLeaf, base_variable
+
+
+class VariableAdapter:
+    """A ``tf.Variable`` (or a Keras 3 variable on the TensorFlow backend) placed in the state:
+    one array, read at the snapshot, assigned on restore."""
+
+    def can_handle(self, obj: Any) -> bool:
+        return base_variable(obj) is not None
+
+    def capture(self, obj: Any) -> VariableLeaf:
+        return VariableLeaf(obj)
+
+    def apply(self, obj: Any, tree: Any) -> None:
+        if isinstance(tree, np.ndarray):  # not restored in place: assign it
+            VariableLeaf(obj).assign(tree)
+
+
+class TrackableAdapter:
+    """Any trackable TensorFlow object (``tf.train.Checkpoint``, ``tf.Module``, Keras 3 models,
+    layers and optimizers on the TensorFlow backend, ``tf.random.Generator``, ``tf.data``
+    iterators): its object graph, matched on restore by TensorFlow's rules (see ``_graph``).
+
+    Restores like ``tf.train.Checkpoint.restore``: values go to the objects the saved graph
+    reaches by the same local names; objects not created yet get theirs when they are."""
+
+    #: a graph that differs from the saved one (a model not built yet, a renamed attribute)
+    #: is matched object by object, not refused as a whole
+    replace_on_mismatch = True
+
+    def can_handle(self, obj: Any) -> bool:
+        return _graph.is_trackable(obj) and base_variable(obj) is None
+
+    def capture(self, obj: Any) -> dict[str, Any]:
+        try:
+            return _graph.capture(obj)
+        except tf.errors.OpError as e:
+            raise UnsupportedStateError(
+                f"TensorFlow could not capture this {type(obj).__name__}: {e.message}. A "
+                "tf.data iterator whose pipeline holds external state (tf.py_function, a "
+                "stateful map) cannot be saved; make those steps stateless or drop the "
+                "iterator from the state.") from None
+
+    def check(self, obj: Any, tree: Any) -> None:
+        _graph.Restore(tree).check(obj)
+
+    def apply(self, obj: Any, tree: Any) -> None:
+        _graph.restore_into(obj, tree)
+
+
+class TensorHint:
+    """A ``tf.Tensor`` is immutable: there is nothing to restore it into."""
+
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, tf.Tensor) and base_variable(obj) is None
+
+    def capture(self, obj: Any) -> Any:
+        raise UnsupportedStateError(
+            "a tf.Tensor is immutable, so a restore could not put a value back into it; keep "
+            "state that changes in a tf.Variable (restored in place), or save np.asarray(t)")
+
+    def apply(self, obj: Any, tree: Any) -> None:  # pragma: no cover - capture refuses
+        raise UnsupportedStateError("a tf.Tensor cannot be restored into")

@@ -1,0 +1,418 @@
+"""TensorFlow's object graph, walked and matched as ``tf.train.Checkpoint`` walks and matches it.
+
+A TensorFlow object (a ``tf.train.Checkpoint``, a Keras 3 model or optimizer on the TensorFlow
+backend, a ``tf.Module``, a ``tf.random.Generator``...) is captured as the graph of trackable
+objects reachable from it, breadth first in the order TensorFlow lists children, each object
+once (an object reachable by several paths is saved at the first one, as TensorFlow does)::
+
+    {".OBJECT_GRAPH": [[children, attributes], ...],        # node 0 is the object itself
+     "<child>": {"<grandchild>": {".ATTRIBUTES": {"VARIABLE_VALUE": <array>}}}, ...}
+
+``children`` is ``[[local name, node id], ...]``; ``attributes`` is ``[[name, tensor name,
+kind], ...]``. Path components are TensorFlow's escaped local names, so every array sits at the
+key TensorFlow's own checkpoint uses (``opt/_iterations/.ATTRIBUTES/VARIABLE_VALUE``).
+
+A restore walks the saved graph from the root together with the live objects, matching
+children by local name, exactly as TensorFlow does: renaming a Python attribute breaks a
+restore as it does in TensorFlow, and no more. Values whose object does not exist yet are
+queued on its parent through TensorFlow's own deferred-restoration hook, so a layer built after
+the restore gets its values when it creates its variables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.checkpoint import saveable_compat
+from tensorflow.python.saved_model import registration
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.training.saving import saveable_object_util
+
+from ...core.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleTargetError,
+    UnsupportedStateError,
+)
+from ...core.tree import ArrayLeaf, ArraySpec
+from ._leaf import VariableLeaf, base_variable, leaf_to_tensor, tensor_to_leaf
+
+GRAPH = ".OBJECT_GRAPH"
+#: local names of the children pitstop adds to TensorFlow's graph start so (no Python
+#: attribute can): Keras layers' seed generators, which tf.train does not save
+EXTRA = ".seed_generator_"
+ATTRIBUTES = trackable_utils.OBJECT_ATTRIBUTES_NAME  # ".ATTRIBUTES"
+VARIABLE_VALUE = "VARIABLE_VALUE"
+
+_uids = itertools.count(1)
+_uid_lock = threading.Lock()
+
+
+def is_trackable(obj: Any) -> bool:
+    return isinstance(obj, trackable_base.Trackable)
+
+
+def serializes(obj: Any) -> bool:
+    """Whether ``obj`` saves tensors of its own (``_serialize_to_tensors``)."""
+    return bool(saveable_object_util.trackable_has_serialize_to_tensor(obj))
+
+
+def children(obj: Any) -> dict[str, Any]:
+    """The checkpoint dependencies of ``obj``, by local name, as TensorFlow lists them, plus
+    the random state TensorFlow's graph leaves out (see :func:`_seed_generators`)."""
+    out = dict(tf.train.TrackableView.children(obj)) if is_trackable(obj) else {}
+    out.update(_seed_generators(obj, out))
+    return out
+
+
+def _seed_generators(obj: Any, known: dict[str, Any]) -> dict[str, Any]:
+    """Keras 3 layers draw dropout and noise from ``SeedGenerator`` objects whose state
+    variable ``tf.train.Checkpoint`` does not save, so a resumed run would draw other masks.
+    They are added as children named ``.seed_generator_<i>`` (no Python attribute can have
+    that name) and each generator's ``state`` as its child."""
+    extra: dict[str, Any] = {}
+    gens = getattr(obj, "_seed_generators", None) if not isinstance(obj, tf.Variable) else None
+    if isinstance(gens, (list, tuple)) and gens:
+        listed = {id(v) for v in known.values()}
+        for i, g in enumerate(gens):
+            if id(g) not in listed and base_variable(getattr(g, "state", None)) is not None:
+                extra[f"{EXTRA}{i}"] = g
+    state = getattr(obj, "state", None) if type(obj).__name__ == "SeedGenerator" else None
+    if not known and base_variable(state) is not None:
+        extra["state"] = state
+    return extra
+
+
+def walk(root: Any) -> tuple[list[Any], list[list[tuple[str, int]]], list[tuple[str, ...]]]:
+    """Breadth-first traversal as TensorFlow's: objects, each one's children as
+    ``(local name, node id)`` and each one's path (local names from the root)."""
+    objects: list[Any] = [root]
+    ids: dict[int, int] = {id(root): 0}
+    paths: list[tuple[str, ...]] = [()]
+    edges: list[list[tuple[str, int]]] = []
+    queue = deque([0])
+    while queue:
+        n = queue.popleft()
+        out: list[tuple[str, int]] = []
+        for name, child in children(objects[n]).items():
+            cid = ids.get(id(child))
+            if cid is None:
+                cid = ids[id(child)] = len(objects)
+                objects.append(child)
+                paths.append((*paths[n], name))
+                queue.append(cid)
+            out.append((name, cid))
+        while len(edges) <= n:
+            edges.append([])
+        edges[n] = out
+    return objects, edges, paths
+
+
+def key_components(path: tuple[str, ...]) -> list[str]:
+    return [trackable_utils.escape_local_name(p) for p in path]
+
+
+def _serialized(obj: Any, where: str) -> dict[str, Any] | None:
+    """The tensors ``obj`` saves of its own (not its children's), or None when none."""
+    if registration.get_registered_saver_name(obj):
+        raise UnsupportedStateError(
+            f"{where} ({type(obj).__name__}) is saved by a registered TensorFlow saver; "
+            "pitstop cannot capture it. Keep it out of the state, or save it with tf.train.")
+    if saveable_object_util.trackable_has_serialize_to_tensor(obj):
+        return dict(obj._serialize_to_tensors())
+    if type(obj)._gather_saveables_for_checkpoint is not \
+            trackable_base.Trackable._gather_saveables_for_checkpoint and \
+            obj._gather_saveables_for_checkpoint():
+        raise UnsupportedStateError(
+            f"{where} ({type(obj).__name__}) is saved through TensorFlow's legacy "
+            "SaveableObject API, which pitstop does not capture; give the class "
+            "_serialize_to_tensors/_restore_from_tensors (TensorFlow's current API).")
+    return None
+
+
+def capture(root: Any, where: str = "") -> dict[str, Any]:
+    """The state tree of ``root``'s object graph (see the module docstring)."""
+    objects, edges, paths = walk(root)
+    tree: dict[str, Any] = {}
+    graph: list[list[Any]] = []
+    for n, obj in enumerate(objects):
+        comps = key_components(paths[n])
+        label = "/".join([where, *comps]) if where else "/".join(comps) or "the root"
+        attrs: list[list[str]] = []
+        values: dict[str, Any] = {}
+        if base_variable(obj) is not None:
+            values[VARIABLE_VALUE] = VariableLeaf(obj, label)
+            attrs.append([VARIABLE_VALUE, VARIABLE_VALUE, "variable"])
+        elif is_trackable(obj):
+            tensors = _serialized(obj, label)
+            if tensors:
+                legacy = saveable_compat.get_saveable_name(obj)
+                for tname, tensor in tensors.items():
+                    if isinstance(tensor, Mapping):
+                        raise UnsupportedStateError(
+                            f"{label} ({type(obj).__name__}) saves sliced tensors; pitstop "
+                            "saves whole tensors only")
+                    name = f"{legacy}{tname}" if legacy else tname  # as TensorFlow names it
+                    values[name], kind = tensor_to_leaf(tensor, label)
+                    attrs.append([name, tname, kind])
+        if values:
+            node = tree
+            for c in comps:
+                node = node.setdefault(c, {})
+            node[ATTRIBUTES] = values
+        graph.append([[[name, cid] for name, cid in edges[n]], attrs])
+    tree[GRAPH] = graph
+    return tree
+
+
+# ------------------------------------------------------------------------------ restore
+@dataclass
+class Outcome:
+    """What one restore matched, for ``tf.train``-style status assertions."""
+
+    #: saved node id -> the live object it went to
+    matched: dict[int, Any] = field(default_factory=dict)
+    #: saved node ids with values that are queued for objects not created yet
+    deferred: set[int] = field(default_factory=set)
+
+
+class Restore:
+    """One restore of a saved object graph into live objects (TensorFlow's matching rules).
+
+    ``tree`` is the saved subtree: arrays as numpy (or ``ArraySpec`` for :meth:`check`), or
+    as the live ``VariableLeaf`` objects the core already restored in place."""
+
+    def __init__(self, tree: Any, where: str = "") -> None:
+        graph = tree.get(GRAPH) if isinstance(tree, Mapping) else None
+        if not _valid_graph(graph):
+            raise IncompatibleTargetError(
+                f"{where or 'the checkpoint'} holds no TensorFlow object graph here; restore "
+                "it into the kind of object that saved it")
+        self.tree, self.where = tree, where
+        self.graph: list[list[Any]] = graph  # type: ignore[assignment]  # checked just above
+        self.paths = _saved_paths(self.graph)
+        with _uid_lock:
+            self.restore_uid = next(_uids)
+        self.outcome = Outcome()
+
+    # the attribute TensorFlow's deferred-restoration hook sorts by
+    @property
+    def checkpoint(self) -> Restore:
+        return self
+
+    def label(self, sid: int) -> str:
+        comps = key_components(self.paths[sid])
+        return "/".join([self.where, *comps] if self.where else comps) or (self.where or "root")
+
+    def value(self, sid: int, attr: str) -> Any:
+        node = self.tree
+        try:
+            for c in key_components(self.paths[sid]):
+                node = node[c]
+            return node[ATTRIBUTES][attr]
+        except (KeyError, TypeError):
+            raise CorruptCheckpointError(
+                f"{self.label(sid)}: the object graph names attribute {attr!r} but the "
+                "checkpoint holds no value for it") from None
+
+    def pairs(self, live: Any, sid: int = 0, defer: bool = True) -> Iterator[tuple[Any, int]]:
+        """Live objects matched to saved nodes, breadth first from ``(live, sid)``; saved
+        children whose live object does not exist yet are queued as deferred (``defer``)."""
+        seen = self.outcome.matched
+        queue = deque([(live, sid)])
+        seen.setdefault(sid, live)
+        while queue:
+            obj, s = queue.popleft()
+            yield obj, s
+            if not self.graph[s][0]:
+                continue
+            mine = children(obj) if is_trackable(obj) else {}
+            for name, cid in self.graph[s][0]:
+                if cid in seen:
+                    continue
+                child = mine.get(name)
+                if child is None:
+                    if defer and is_trackable(obj) and self._has_values(cid):
+                        self._defer(obj, name, cid)
+                    continue
+                seen[cid] = child
+                queue.append((child, cid))
+
+    def _has_values(self, sid: int, _seen: set[int] | None = None) -> bool:
+        seen = _seen if _seen is not None else set()
+        if sid in seen:
+            return False
+        seen.add(sid)
+        return bool(self.graph[sid][1]) or any(
+            self._has_values(c, seen) for _, c in self.graph[sid][0])
+
+    def _defer(self, parent: Any, name: str, sid: int) -> None:
+        self.outcome.deferred.add(sid)
+        parent._maybe_initialize_trackable()
+        parent._deferred_dependencies.setdefault(name, []).append(_Deferred(self, sid))
+
+    # -------------------------------------------------------------- check and apply
+    def check(self, live: Any) -> None:
+        """Refuse (``IncompatibleTargetError``) before anything is written when a matched
+        variable's shape or dtype differs, or a matched object cannot take its values."""
+        problems: list[str] = []
+        for obj, sid in self.pairs(live, defer=False):
+            for name, _tname, kind in self.graph[sid][1]:
+                spec = self.value(sid, name)
+                key = f"{self.label(sid)}/{ATTRIBUTES}/{name}"
+                problem = _cannot_take(obj, kind, spec)
+                if problem:
+                    problems.append(f"{key}: {problem}")
+        self.outcome = Outcome()  # a dry run: the real one matches again
+        if problems:
+            raise IncompatibleTargetError(
+                "the TensorFlow objects differ from the checkpoint's:\n  " + "\n  ".join(
+                    problems[:20]) + ("" if len(problems) <= 20 else
+                                      f"\n  ... and {len(problems) - 20} more"),
+                mismatched=[p.split(":", 1)[0] for p in problems])
+
+    def apply(self, live: Any, sid: int = 0) -> Outcome:
+        """Put every matched value into its live object; queue the rest as deferred."""
+        for obj, s in list(self.pairs(live, sid)):
+            self._assign(obj, s)
+        return self.outcome
+
+    def _assign(self, obj: Any, sid: int) -> None:
+        attrs = self.graph[sid][1]
+        if not attrs:
+            return
+        uid = getattr(obj, "_update_uid", None)
+        if isinstance(uid, int) and uid > self.restore_uid:
+            return  # a newer restore already wrote this object (as TensorFlow decides)
+        for name, tname, kind in attrs:
+            value = self.value(sid, name)
+            where = f"{self.label(sid)}/{ATTRIBUTES}/{name}"
+            problem = _cannot_take(obj, kind, value)
+            if problem:
+                raise IncompatibleTargetError(f"{where}: {problem}", mismatched=[where])
+            var = base_variable(obj)
+            if kind == "variable" and var is not None:
+                if isinstance(value, VariableLeaf) and value.variable is var:
+                    continue  # restored in place already
+                var.assign(leaf_to_tensor(value, kind, where))
+            else:
+                tensors = {tname or _only_name(obj, where): leaf_to_tensor(value, kind, where)}
+                obj._restore_from_tensors(tensors)
+        if is_trackable(obj):
+            obj._maybe_initialize_trackable()
+            obj._update_uid = self.restore_uid
+
+
+class _Deferred:
+    """A saved subtree waiting on its parent for a child that does not exist yet; TensorFlow
+    calls :meth:`restore` when the child is tracked (``Trackable._track_trackable``)."""
+
+    def __init__(self, owner: Restore, sid: int) -> None:
+        self.owner, self.sid = owner, sid
+
+    @property
+    def checkpoint(self) -> Restore:
+        return self.owner
+
+    def is_simple_variable(self) -> bool:
+        return False  # never an initializer: the value is assigned when the object is tracked
+
+    def restore(self, trackable: Any) -> None:
+        self.owner.outcome.deferred.discard(self.sid)
+        self.owner.apply(trackable, self.sid)
+
+
+def _only_name(obj: Any, where: str) -> str:
+    names = list(obj._serialize_to_tensors()) if \
+        saveable_object_util.trackable_has_serialize_to_tensor(obj) else []
+    if len(names) != 1:
+        raise IncompatibleTargetError(
+            f"{where}: cannot tell which of {type(obj).__name__}'s saved tensors this is")
+    return names[0]
+
+
+def _cannot_take(obj: Any, kind: str, value: Any) -> str | None:
+    """Why ``obj`` cannot take a saved value of ``kind`` (None when it can)."""
+    var = base_variable(obj)
+    if kind == "variable":
+        if var is None:
+            if saveable_object_util.trackable_has_serialize_to_tensor(obj):
+                return None  # e.g. a variable-like object with its own serialization
+            return (f"the checkpoint holds a variable here, this is a {type(obj).__name__}; "
+                    "restore into the kind of object that saved it")
+        shape, dtype = _shape_dtype(value)
+        live_shape = tuple(var.shape) if var.shape.rank is not None else None
+        if shape is not None and live_shape is not None and None not in live_shape and \
+                tuple(shape) != tuple(live_shape):
+            return (f"shape {list(shape)} in the checkpoint, {list(live_shape)} in this "
+                    "variable; build the model with the configuration that saved it")
+        if dtype is not None and np.dtype(var.dtype.as_numpy_dtype) != dtype:
+            return (f"dtype {dtype} in the checkpoint, {var.dtype.name} in this variable; "
+                    "create it with the dtype that was saved (or cast after restoring)")
+        return None
+    if not saveable_object_util.trackable_has_serialize_to_tensor(obj):
+        return (f"the checkpoint holds {kind} state here, this {type(obj).__name__} takes "
+                "none; restore into the kind of object that saved it")
+    return None
+
+
+def _shape_dtype(value: Any) -> tuple[tuple[int, ...] | None, np.dtype | None]:
+    if isinstance(value, (ArraySpec, ArrayLeaf, np.ndarray)):
+        return tuple(value.shape), np.dtype(value.dtype)
+    return None, None
+
+
+def _valid_graph(graph: Any) -> bool:
+    if not isinstance(graph, list) or not graph:
+        return False
+    n = len(graph)
+    for node in graph:
+        if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], list)
+                and isinstance(node[1], list)):
+            return False
+        for edge in node[0]:
+            if not (isinstance(edge, list) and len(edge) == 2 and isinstance(edge[0], str)
+                    and type(edge[1]) is int and 0 <= edge[1] < n):
+                return False
+        for attr in node[1]:
+            if not (isinstance(attr, list) and len(attr) == 3
+                    and all(isinstance(a, str) for a in attr)):
+                return False
+    return True
+
+
+def _saved_paths(graph: list[list[Any]]) -> list[tuple[str, ...]]:
+    """Each saved node's first breadth-first path, as the capture named it."""
+    paths: list[tuple[str, ...] | None] = [None] * len(graph)
+    paths[0] = ()
+    queue = deque([0])
+    while queue:
+        n = queue.popleft()
+        base = paths[n]
+        assert base is not None
+        for name, cid in graph[n][0]:
+            if paths[cid] is None:
+                paths[cid] = (*base, name)
+                queue.append(cid)
+    return [p if p is not None else ("<unreachable>",) for p in paths]
+
+
+def restore_into(live: Any, tree: Any, where: str = "") -> Outcome:
+    """Restore a captured tree into ``live`` with TensorFlow's matching rules."""
+    r = Restore(tree, where)
+    try:
+        return r.apply(live)
+    except CheckpointError:
+        raise
+    except (tf.errors.OpError, ValueError, TypeError) as e:
+        raise IncompatibleTargetError(
+            f"{where or 'a TensorFlow object'}: TensorFlow refused a restored value "
+            f"({type(e).__name__}: {e})") from e

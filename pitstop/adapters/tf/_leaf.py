@@ -1,0 +1,91 @@
+"""TensorFlow values as pitstop leaves: variables by reference, other tensors by value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ...core.errors import UnsupportedStateError
+from ...core.tree import ArrayLeaf
+
+
+def base_variable(obj: Any) -> tf.Variable | None:
+    """The ``tf.Variable`` holding ``obj``'s value (``obj`` itself, or the one inside a Keras 3
+    variable on the TensorFlow backend), or None when ``obj`` is no variable."""
+    if isinstance(obj, tf.Variable):
+        return obj
+    inner = getattr(obj, "value", None) if _is_keras_variable(obj) else None
+    return inner if isinstance(inner, tf.Variable) else None
+
+
+def _is_keras_variable(obj: Any) -> bool:
+    return any(c.__module__.startswith("keras") and c.__name__ == "Variable"
+               for c in type(obj).__mro__)
+
+
+def numpy_dtype(dtype: tf.DType, where: str) -> np.dtype:
+    """The numpy dtype pitstop stores a TensorFlow dtype as (bfloat16 via ml_dtypes)."""
+    try:
+        dt = np.dtype(dtype.as_numpy_dtype)
+    except TypeError:
+        dt = np.dtype(object)
+    if dt.hasobject or dtype in (tf.resource, tf.variant, tf.string):
+        raise UnsupportedStateError(
+            f"{where or 'a variable'} has dtype {dtype.name}; pitstop stores numeric variables "
+            "as arrays (strings and variants are kept through their object's own state)")
+    return dt
+
+
+class VariableLeaf(ArrayLeaf):
+    """A reference to one live ``tf.Variable``: read when the snapshot is taken, assigned on
+    restore. A read shares the variable's buffer and TensorFlow copies on the next write, so
+    the snapshot stays consistent while training goes on."""
+
+    __slots__ = ("variable", "where", "shape", "dtype")
+
+    def __init__(self, variable: Any, where: str = "") -> None:
+        var = base_variable(variable)
+        if var is None:
+            raise UnsupportedStateError(f"{where or 'this object'} is not a tf.Variable")
+        #: the tf.Variable itself (inside a Keras variable: the one that holds the value)
+        self.variable = var
+        self.where = where
+        if not var.shape.is_fully_defined():
+            raise UnsupportedStateError(
+                f"{where or 'a variable'} has an undefined shape {var.shape}; build the "
+                "model (call it once, or model.build(input_shape)) before saving")
+        self.shape = tuple(int(s) for s in var.shape)
+        self.dtype = numpy_dtype(var.dtype, where)
+
+    def snapshot_into(self, out: np.ndarray) -> None:
+        value = self.variable.read_value()
+        np.copyto(out, np.asarray(value).reshape(self.shape))  # a view of the read buffer
+
+    def assign(self, value: np.ndarray) -> None:
+        self.variable.assign(tf.convert_to_tensor(value, dtype=self.variable.dtype))
+
+
+def tensor_to_leaf(tensor: Any, where: str) -> tuple[Any, str]:
+    """A tensor an object serializes (not a variable) as ``(leaf, kind)``: numeric tensors as
+    numpy arrays (``"tensor"``), strings and variants (a ``tf.data`` iterator's state) as their
+    serialized bytes in a uint8 array (``"serialized:<dtype>"``)."""
+    t = tensor() if callable(tensor) and not isinstance(tensor, tf.Tensor) else tensor
+    t = tf.convert_to_tensor(t)
+    if t.dtype in (tf.variant, tf.string):
+        raw = tf.io.serialize_tensor(t).numpy()
+        return np.frombuffer(raw, np.uint8).copy(), f"serialized:{t.dtype.name}"
+    dt = numpy_dtype(t.dtype, where)
+    return np.array(t.numpy(), dtype=dt, copy=True), "tensor"
+
+
+def leaf_to_tensor(value: Any, kind: str, where: str) -> tf.Tensor:
+    """The tensor a restored leaf of ``kind`` stands for (see :func:`tensor_to_leaf`)."""
+    if kind.startswith("serialized:"):
+        dtype = tf.dtypes.as_dtype(kind.split(":", 1)[1])
+        raw = np.ascontiguousarray(value, np.uint8).tobytes()
+        return tf.io.parse_tensor(raw, out_type=dtype)
+    if isinstance(value, ArrayLeaf):
+        value = value.variable.read_value() if isinstance(value, VariableLeaf) else value
+    return tf.convert_to_tensor(value)

@@ -1,0 +1,92 @@
+"""Reading native TensorFlow checkpoints (``<prefix>.index`` + ``<prefix>.data-*``), so a run
+moves to pitstop with ``Checkpoint.restore(tf_path)`` and its next ``save``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+from ...core.errors import CorruptCheckpointError, UnsupportedFormatError
+from . import _graph
+
+log = logging.getLogger("pitstop")
+GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def read_native(prefix: str) -> dict[str, Any]:
+    """The saved tree (as :func:`pitstop.adapters.tf._graph.capture` builds it) of the native
+    TensorFlow checkpoint at ``prefix``."""
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        dtypes = reader.get_variable_to_dtype_map()
+    except (tf.errors.OpError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{prefix}: TensorFlow cannot read this checkpoint ({type(e).__name__}: "
+            f"{getattr(e, 'message', e)})", checkpoint=prefix) from None
+    if GRAPH_KEY not in dtypes:
+        raise UnsupportedFormatError(
+            f"{prefix} is a name-based (TF1 tf.compat.v1.train.Saver) checkpoint without an "
+            "object graph; restore it with tf.compat.v1 and save it again with tf.train."
+            "Checkpoint first")
+    proto = trackable_object_graph_pb2.TrackableObjectGraph()
+    proto.ParseFromString(reader.get_tensor(GRAPH_KEY))
+    graph: list[list[Any]] = []
+    for node in proto.nodes:
+        kids = [[c.local_name, int(c.node_id)] for c in node.children]
+        attrs = []
+        for a in node.attributes:
+            if a.checkpoint_key in dtypes:
+                parts = [(a.name, "", a.checkpoint_key)]
+            else:
+                # a legacy-named saveable (a tf.data iterator's "ITERATOR"): its tensors are
+                # stored under the key plus each tensor's own name ("ITERATOR_STATE")
+                parts = [(a.name + k[len(a.checkpoint_key):], k[len(a.checkpoint_key):], k)
+                         for k in sorted(dtypes) if k.startswith(a.checkpoint_key)]
+            if not parts:
+                raise CorruptCheckpointError(
+                    f"{prefix}: the object graph names {a.checkpoint_key!r} but the checkpoint "
+                    "holds no such tensor", checkpoint=prefix, key=a.checkpoint_key)
+            for name, tname, key in parts:
+                dt = dtypes[key]
+                kind = ("variable" if name == _graph.VARIABLE_VALUE else
+                        f"serialized:{dt.name}" if dt in (tf.variant, tf.string) else "tensor")
+                attrs.append([name, tname, kind, key])
+        if node.slot_variables:
+            log.warning("pitstop: %s holds slot variables of a TF1-style optimizer (%d of them "
+                        "on one node); they are not imported: a Keras 3 optimizer keeps its "
+                        "state as ordinary variables", prefix, len(node.slot_variables))
+        graph.append([kids, attrs])
+    tree: dict[str, Any] = {}
+    paths = _graph._saved_paths(graph)
+    for sid, (_kids, attrs) in enumerate(graph):
+        if not attrs:
+            continue
+        node = tree
+        for c in _graph.key_components(paths[sid]):
+            node = node.setdefault(c, {})
+        values = node.setdefault(_graph.ATTRIBUTES, {})
+        for attr in attrs:
+            name, _t, kind, key = attr
+            values[name] = _read(prefix, reader, key, kind, dtypes[key])
+            del attr[3]
+    tree[_graph.GRAPH] = graph
+    return tree
+
+
+def _read(prefix: str, reader: Any, key: str, kind: str, dtype: tf.DType) -> np.ndarray:
+    if kind.startswith("serialized:"):
+        (t,) = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key],
+                                   shape_and_slices=[""], dtypes=[dtype])
+        return np.frombuffer(tf.io.serialize_tensor(t).numpy(), np.uint8).copy()
+    value = reader.get_tensor(key)
+    return np.asarray(value, dtype=np.dtype(dtype.as_numpy_dtype))
+
+
+def is_native(path: str) -> bool:
+    """Whether ``path`` is the prefix of a native TensorFlow checkpoint."""
+    return os.path.exists(path + ".index")

@@ -1,0 +1,45 @@
+"""Small models and loops shared by the TensorFlow tests."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+X = tf.random.stateless_normal((16, 3), seed=(1, 2))
+Y = tf.random.stateless_normal((16, 2), seed=(3, 4))
+
+
+def make_model(seed: int, build: bool = True, dropout: bool = True) -> keras.Model:
+    """A small MLP; ``seed`` decides its initial weights (drawn when it is built)."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.layers.Dense(8, activation="relu")]
+    if dropout:
+        layers.append(keras.layers.Dropout(0.3, seed=seed + 1))
+    layers.append(keras.layers.Dense(2))
+    model = keras.Sequential(layers)
+    if build:
+        model.build((None, 3))
+    return model
+
+
+def train_step(model: keras.Model, opt: keras.optimizers.Optimizer) -> float:
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(X, training=True) - Y) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    return float(loss)
+
+
+def values(variables) -> list[np.ndarray]:
+    return [np.array(v.numpy()) for v in variables]
+
+
+def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for x, y in zip(a, b, strict=True))
