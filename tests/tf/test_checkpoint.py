@@ -223,3 +223,25 @@ def test_a_checkpoint_in_a_plain_pitstop_manager(tmp_path):
         v.assign([0.0])
         m.restore({"ckpt": ck.tf_checkpoint})
     assert v.numpy().tolist() == [1.0]
+
+
+def test_retention_survives_a_restart_and_leaves_foreign_checkpoints_alone(tmp_path):
+    """tf.train's manager forgets what it did not list in its state file and deletes by
+    name; pitstop's re-reads the directory and deletes only what this directory wrote."""
+    v = tf.Variable(1.0)
+    other = CheckpointManager(Checkpoint(v=v), tmp_path / "other", max_to_keep=None)
+    other.save(checkpoint_number=0)
+    other.close()
+    import shutil
+    mgr = CheckpointManager(Checkpoint(v=v), tmp_path / "run", max_to_keep=2)
+    mgr.save()
+    mgr.close()
+    shutil.copytree(tmp_path / "other" / "ckpt-0", tmp_path / "run" / "ckpt-0")  # foreign
+    mgr = CheckpointManager(Checkpoint(v=v), tmp_path / "run", max_to_keep=2)  # a restart
+    for _ in range(3):
+        mgr.save()
+    mgr.sync()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("ckpt")) \
+        == ["ckpt-0", "ckpt-2", "ckpt-3"]
+    assert mgr.checkpoints[-2:] == [str(tmp_path / "run" / f"ckpt-{n}") for n in (2, 3)]
+    mgr.close()

@@ -304,7 +304,10 @@ class _Order:
     def saved(self, step: int) -> None:
         self.times[step] = time.time()
 
-    def time_of(self, step: int) -> float:
+    def time_of(self, step: int, *, api: bool = False) -> float:
+        """When ``step`` was saved. ``api``: asked from a user's call, where the manager may
+        also answer for a snapshot recovered from the memory tier and not on disk yet (never
+        from the retention thread: the manager may wait there for that very thread)."""
         t = self.times.get(step)
         if t is None:
             try:
@@ -312,12 +315,17 @@ class _Order:
                 t = CheckpointReader(self.mgr.storage, name, naming=self.mgr.naming,
                                      threads=1).manifest.created_unix
             except (CheckpointError, OSError):
-                return float("inf")  # not readable (yet): the newest, as a save in flight is
+                if not api:
+                    return float("-inf")  # unreadable: the oldest, first to go
+                try:
+                    t = self.mgr.metadata(step).created_unix
+                except CheckpointError:
+                    return float("-inf")
             self.times[step] = t
         return t
 
-    def sort(self, steps: Sequence[int]) -> list[int]:
-        return sorted(steps, key=lambda s: (self.time_of(s), s))
+    def sort(self, steps: Sequence[int], *, api: bool = False) -> list[int]:
+        return sorted(steps, key=lambda s: (self.time_of(s, api=api), s))
 
 
 class _LazyOrder:
@@ -427,7 +435,7 @@ class CheckpointManager:
         return f"{self._prefix}-{step}"
 
     def _saved_order(self) -> list[int]:
-        return self._order.sort(self._mgr.all_steps())
+        return self._order.sort(self._mgr.all_steps(), api=True)
 
     @property
     def latest_checkpoint(self) -> str | None:
