@@ -221,6 +221,8 @@ class PersistJob:
     t_start: float = 0.0
     #: False for a recovered memory-tier buffer that restore() still has to read
     release_buffer: bool = True
+    #: when save() was called (the manifest's created_unix; kept by the memory tier)
+    created_unix: float = field(default_factory=time.time)
 
 
 class Engine:
@@ -514,7 +516,7 @@ class Engine:
             t_written = time.perf_counter()
             manifest = Manifest(
                 step=job.step, structure=job.structure, hash_algorithm=self.hash_algorithm,
-                metrics=job.metrics, directory_id=self.directory_id, created_unix=time.time(),
+                metrics=job.metrics, directory_id=self.directory_id, created_unix=job.created_unix,
                 all_finite=all_finite, user_metadata=job.user_metadata,
                 writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid()},
                 values=job.values,

@@ -97,6 +97,7 @@ class MemoryTier:
             "values": job.values,
             "structure": job.structure, "metrics": job.metrics,
             "user_metadata": job.user_metadata, "check_finite": job.check_finite,
+            "created_unix": job.created_unix,
         }
         text = json.dumps(head, separators=(",", ":"))
         self._write_text(self.meta_path(buf), text[:-1] + ',"layout":' + self._layout_json + "}")

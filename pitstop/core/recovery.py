@@ -78,7 +78,8 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
         job = PersistJob(step=step, buffer=buf, values=meta["values"], structure=meta["structure"],
                          metrics=meta.get("metrics") or {}, handle=handle,
                          user_metadata=meta.get("user_metadata") or {}, hashes=hashes,
-                         check_finite=bool(meta.get("check_finite")))
+                         check_finite=bool(meta.get("check_finite")),
+                         created_unix=_created(meta))
         job.release_buffer = False  # restore() may still read it; released by the manager
         engine.submit(job)
         recovered.append(Recovered(buf, reader, step, handle))
@@ -86,11 +87,18 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
     return recovered
 
 
+def _created(meta: dict[str, Any]) -> float:
+    """When the recovered snapshot's save() was called (0.0 from an older pitstop)."""
+    t = meta.get("created_unix")
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
+
+
 def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str) -> bytes:
     """A manifest describing a memory-tier buffer, so the normal reader can verify it."""
     m = Manifest(step=int(meta["step"]), hash_algorithm=algorithm,
                  structure=meta["structure"], values=meta["values"],
-                 metrics=meta.get("metrics") or {}, directory_id=meta.get("directory_id"))
+                 metrics=meta.get("metrics") or {}, directory_id=meta.get("directory_id"),
+                 created_unix=_created(meta))
     layout = meta["layout"]
     m.files["shm.buf"] = int(layout["total"])
     for k, dt, shape, off, n in layout["arrays"]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -357,11 +358,15 @@ def test_latest_step_names_the_recovered_step_from_construction(tmp_path, cleanu
         assert_is_state(mgr.load(), 2)
         assert_is_state(mgr.load(2), 2)
         assert mgr.metadata(2).step == 2
+        # when save() was called, kept by the tier: after step 1's commit, before this test
+        saved_at = mgr.metadata(2).created_unix
+        assert mgr.metadata(1).created_unix <= saved_at <= time.time()
         target = zero_state()
         assert mgr.restore(target) == 2 and mgr.latest_step() == 2
         release.set()
         mgr.wait()
         assert mgr._committed() == [1, 2] and mgr.latest_step() == 2
+        assert mgr.metadata(2).created_unix == saved_at  # the commit keeps the save's time
     finally:
         release.set()
         mgr.close()
