@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ...core.errors import UnsupportedStateError
+from ...core.errors import IncompatibleTargetError, UnsupportedStateError
+from ...core.tree import ArraySpec
 from . import _graph
 from ._leaf import VariableLeaf, base_variable
 
@@ -16,11 +17,25 @@ class VariableAdapter:
     """A ``tf.Variable`` (or a Keras 3 variable on the TensorFlow backend) placed in the state:
     one array, read at the snapshot, assigned on restore."""
 
+    #: a variable of undefined shape holds values of any shape its own admits: one that
+    #: differs from the checkpoint's is given the checkpoint's (``check`` refuses the rest)
+    replace_on_mismatch = True
+
     def can_handle(self, obj: Any) -> bool:
         return base_variable(obj) is not None
 
     def capture(self, obj: Any) -> VariableLeaf:
         return VariableLeaf(obj)
+
+    def check(self, obj: Any, tree: Any) -> None:
+        var = base_variable(obj)
+        if not isinstance(tree, ArraySpec):
+            raise IncompatibleTargetError(
+                f"the checkpoint holds a {type(tree).__name__} here, not a variable's array; "
+                "restore into the kind of object that saved it")
+        problem = _graph.variable_problem(var, tree)
+        if problem:
+            raise IncompatibleTargetError(problem)
 
     def apply(self, obj: Any, tree: Any) -> None:
         if isinstance(tree, np.ndarray):  # not restored in place: assign it

@@ -43,7 +43,14 @@ from ...core.errors import (
     UnsupportedStateError,
 )
 from ...core.tree import ArrayLeaf, ArraySpec
-from ._leaf import VariableLeaf, base_variable, leaf_to_tensor, tensor_to_leaf
+from ._leaf import (
+    VariableLeaf,
+    as_variable_value,
+    base_variable,
+    leaf_to_tensor,
+    numpy_dtype,
+    tensor_to_leaf,
+)
 
 GRAPH = ".OBJECT_GRAPH"
 #: local names of the children pitstop adds to TensorFlow's graph start so (no Python
@@ -148,7 +155,12 @@ def capture(root: Any, where: str = "") -> dict[str, Any]:
         label = "/".join([where, *comps]) if where else "/".join(comps) or "the root"
         attrs: list[list[str]] = []
         values: dict[str, Any] = {}
-        if base_variable(obj) is not None:
+        var = base_variable(obj)
+        if var is not None and var.dtype == tf.string:
+            # no array dtype holds strings: kept as the serialized tensor, read now
+            values[VARIABLE_VALUE], kind = tensor_to_leaf(var.read_value(), label)
+            attrs.append([VARIABLE_VALUE, VARIABLE_VALUE, kind])
+        elif var is not None:
             values[VARIABLE_VALUE] = VariableLeaf(obj, label)
             attrs.append([VARIABLE_VALUE, VARIABLE_VALUE, "variable"])
         elif is_trackable(obj):
@@ -280,9 +292,15 @@ class Restore:
                 mismatched=[p.split(":", 1)[0] for p in problems])
 
     def apply(self, live: Any, sid: int = 0) -> Outcome:
-        """Put every matched value into its live object; queue the rest as deferred."""
-        for obj, s in list(self.pairs(live, sid)):
-            self._assign(obj, s)
+        """Put every matched value into its live object; queue the rest as deferred.
+
+        Runs eagerly even when called while a ``tf.function`` is traced (an object created
+        inside one gets its deferred values then: Keras builds its optimizer inside fit's
+        train function), as TensorFlow's own restore does: assign ops recorded into the
+        traced graph would not run now, and would run again at every call."""
+        with tf.init_scope():
+            for obj, s in list(self.pairs(live, sid)):
+                self._assign(obj, s)
         return self.outcome
 
     def _assign(self, obj: Any, sid: int) -> None:
@@ -299,10 +317,10 @@ class Restore:
             if problem:
                 raise IncompatibleTargetError(f"{where}: {problem}", mismatched=[where])
             var = base_variable(obj)
-            if kind == "variable" and var is not None:
+            if var is not None and (kind == "variable" or kind.startswith("serialized:")):
                 if isinstance(value, VariableLeaf) and value.variable is var:
                     continue  # restored in place already
-                var.assign(leaf_to_tensor(value, kind, where))
+                var.assign(as_variable_value(leaf_to_tensor(value, kind, where), var))
             else:
                 tensors = {tname or _only_name(obj, where): leaf_to_tensor(value, kind, where)}
                 obj._restore_from_tensors(tensors)
@@ -327,7 +345,7 @@ class _Deferred:
 
     def restore(self, trackable: Any) -> None:
         self.owner.outcome.deferred.discard(self.sid)
-        self.owner.apply(trackable, self.sid)
+        self.owner.apply(trackable, self.sid)  # eagerly, also inside a traced tf.function
 
 
 def _only_name(obj: Any, where: str) -> str:
@@ -342,25 +360,40 @@ def _only_name(obj: Any, where: str) -> str:
 def _cannot_take(obj: Any, kind: str, value: Any) -> str | None:
     """Why ``obj`` cannot take a saved value of ``kind`` (None when it can)."""
     var = base_variable(obj)
+    if kind.startswith("serialized:") and var is not None:
+        saved = kind.split(":", 1)[1]
+        if var.dtype.name != saved:
+            return (f"dtype {saved} in the checkpoint, {var.dtype.name} in this variable; "
+                    "create it with the dtype that was saved")
+        return None
     if kind == "variable":
         if var is None:
             if saveable_object_util.trackable_has_serialize_to_tensor(obj):
                 return None  # e.g. a variable-like object with its own serialization
             return (f"the checkpoint holds a variable here, this is a {type(obj).__name__}; "
                     "restore into the kind of object that saved it")
-        shape, dtype = _shape_dtype(value)
-        live_shape = tuple(var.shape) if var.shape.rank is not None else None
-        if shape is not None and live_shape is not None and None not in live_shape and \
-                tuple(shape) != tuple(live_shape):
-            return (f"shape {list(shape)} in the checkpoint, {list(live_shape)} in this "
-                    "variable; build the model with the configuration that saved it")
-        if dtype is not None and np.dtype(var.dtype.as_numpy_dtype) != dtype:
-            return (f"dtype {dtype} in the checkpoint, {var.dtype.name} in this variable; "
-                    "create it with the dtype that was saved (or cast after restoring)")
-        return None
+        return variable_problem(var, value)
     if not saveable_object_util.trackable_has_serialize_to_tensor(obj):
         return (f"the checkpoint holds {kind} state here, this {type(obj).__name__} takes "
                 "none; restore into the kind of object that saved it")
+    return None
+
+
+def variable_problem(var: tf.Variable, value: Any) -> str | None:
+    """Why ``var`` cannot take the saved array ``value`` (None when it can): a shape its own
+    (possibly partly undefined) shape does not admit, or another dtype, as tf.train refuses."""
+    shape, dtype = _shape_dtype(value)
+    if shape is not None and not var.shape.is_compatible_with(shape):
+        mine = var.shape.as_list() if var.shape.rank is not None else "any shape"
+        return (f"shape {list(shape)} in the checkpoint, {mine} in this variable; build the "
+                "model with the configuration that saved it")
+    try:
+        live = numpy_dtype(var.dtype, "")
+    except UnsupportedStateError:
+        live = None
+    if dtype is not None and live != dtype:
+        return (f"dtype {dtype} in the checkpoint, {var.dtype.name} in this variable; "
+                "create it with the dtype that was saved (or cast after restoring)")
     return None
 
 

@@ -31,11 +31,32 @@ def numpy_dtype(dtype: tf.DType, where: str) -> np.dtype:
         dt = np.dtype(dtype.as_numpy_dtype)
     except TypeError:
         dt = np.dtype(object)
-    if dt.hasobject or dtype in (tf.resource, tf.variant, tf.string):
+    if dtype.is_quantized and dt.names and len(dt.names) == 1:
+        # qint8, quint8, qint32...: numpy names them as one-field records of the integer
+        # TensorFlow stores (and hands back from .numpy())
+        dt = dt.fields[dt.names[0]][0]
+    if dt.hasobject or dt.names or dtype in (tf.resource, tf.variant, tf.string):
         raise UnsupportedStateError(
-            f"{where or 'a variable'} has dtype {dtype.name}; pitstop stores numeric variables "
-            "as arrays (strings and variants are kept through their object's own state)")
+            f"{where or 'a variable'} has dtype {dtype.name}; pitstop stores a variable "
+            "placed straight in the state as an array, which needs a numeric dtype. Put it in "
+            "a tf.Module or tf.train.Checkpoint instead (saved there as tf.train saves it).")
     return dt
+
+
+def as_variable_value(value: Any, var: tf.Variable) -> tf.Tensor:
+    """A restored host array (or tensor) as a tensor ``var`` can take: its own dtype, so a
+    quantized variable takes the integers it was saved as."""
+    if isinstance(value, tf.Tensor) and value.dtype == var.dtype:
+        return value
+    return tf.convert_to_tensor(np.asarray(value), dtype=var.dtype)
+
+
+def current_shape(var: tf.Variable) -> tuple[int, ...]:
+    """The shape of ``var``'s value now: its static shape, or, for a variable created with
+    an undefined (or partly undefined) shape, the shape of what it holds."""
+    if var.shape.is_fully_defined():
+        return tuple(int(s) for s in var.shape)
+    return tuple(int(s) for s in tf.shape(var.read_value()).numpy())
 
 
 class VariableLeaf(ArrayLeaf):
@@ -52,19 +73,17 @@ class VariableLeaf(ArrayLeaf):
         #: the tf.Variable itself (inside a Keras variable: the one that holds the value)
         self.variable = var
         self.where = where
-        if not var.shape.is_fully_defined():
-            raise UnsupportedStateError(
-                f"{where or 'a variable'} has an undefined shape {var.shape}; build the "
-                "model (call it once, or model.build(input_shape)) before saving")
-        self.shape = tuple(int(s) for s in var.shape)
         self.dtype = numpy_dtype(var.dtype, where)
+        # a variable of undefined shape (tf.Variable(..., shape=tf.TensorShape(None))) is
+        # saved as what it holds now, as tf.train saves it
+        self.shape = current_shape(var)
 
     def snapshot_into(self, out: np.ndarray) -> None:
         value = self.variable.read_value()
         np.copyto(out, np.asarray(value).reshape(self.shape))  # a view of the read buffer
 
     def assign(self, value: np.ndarray) -> None:
-        self.variable.assign(tf.convert_to_tensor(value, dtype=self.variable.dtype))
+        self.variable.assign(as_variable_value(value, self.variable))
 
 
 def tensor_to_leaf(tensor: Any, where: str) -> tuple[Any, str]:
@@ -77,7 +96,7 @@ def tensor_to_leaf(tensor: Any, where: str) -> tuple[Any, str]:
         raw = tf.io.serialize_tensor(t).numpy()
         return np.frombuffer(raw, np.uint8).copy(), f"serialized:{t.dtype.name}"
     dt = numpy_dtype(t.dtype, where)
-    return np.array(t.numpy(), dtype=dt, copy=True), "tensor"
+    return np.array(np.asarray(t.numpy()).view(dt), dtype=dt, copy=True), "tensor"
 
 
 def leaf_to_tensor(value: Any, kind: str, where: str) -> tf.Tensor:

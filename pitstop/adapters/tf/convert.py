@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from google.protobuf.message import DecodeError
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from ...core.errors import CorruptCheckpointError, UnsupportedFormatError
@@ -24,17 +25,18 @@ def read_native(prefix: str) -> dict[str, Any]:
     try:
         reader = tf.train.load_checkpoint(prefix)
         dtypes = reader.get_variable_to_dtype_map()
-    except (tf.errors.OpError, ValueError) as e:
-        raise CorruptCheckpointError(
-            f"{prefix}: TensorFlow cannot read this checkpoint ({type(e).__name__}: "
-            f"{getattr(e, 'message', e)})", checkpoint=prefix) from None
+    except _READ_ERRORS as e:
+        raise _unreadable(prefix, None, e) from e
     if GRAPH_KEY not in dtypes:
         raise UnsupportedFormatError(
             f"{prefix} is a name-based (TF1 tf.compat.v1.train.Saver) checkpoint without an "
             "object graph; restore it with tf.compat.v1 and save it again with tf.train."
             "Checkpoint first")
     proto = trackable_object_graph_pb2.TrackableObjectGraph()
-    proto.ParseFromString(reader.get_tensor(GRAPH_KEY))
+    try:
+        proto.ParseFromString(reader.get_tensor(GRAPH_KEY))
+    except (*_READ_ERRORS, DecodeError) as e:
+        raise _unreadable(prefix, GRAPH_KEY, e) from e
     graph: list[list[Any]] = []
     for node in proto.nodes:
         kids = [[c.local_name, int(c.node_id)] for c in node.children]
@@ -78,12 +80,28 @@ def read_native(prefix: str) -> dict[str, Any]:
     return tree
 
 
+#: what TensorFlow's checkpoint reader raises for a missing, truncated or corrupt file (the
+#: reader turns a short read into an IndexError, a failed checksum into an OpError)
+_READ_ERRORS = (tf.errors.OpError, ValueError, IndexError, RuntimeError, OSError)
+
+
+def _unreadable(prefix: str, key: str | None, e: BaseException) -> CorruptCheckpointError:
+    what = f"tensor {key!r} of " if key else ""
+    return CorruptCheckpointError(
+        f"{prefix}: TensorFlow cannot read {what}this checkpoint ({type(e).__name__}: "
+        f"{getattr(e, 'message', e)}); its .index and .data-* files are missing, truncated "
+        "or corrupt: restore an intact copy", checkpoint=prefix, key=key)
+
+
 def _read(prefix: str, reader: Any, key: str, kind: str, dtype: tf.DType) -> np.ndarray:
-    if kind.startswith("serialized:"):
-        (t,) = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key],
-                                   shape_and_slices=[""], dtypes=[dtype])
-        return np.frombuffer(tf.io.serialize_tensor(t).numpy(), np.uint8).copy()
-    value = reader.get_tensor(key)
+    try:
+        if kind.startswith("serialized:"):
+            (t,) = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key],
+                                       shape_and_slices=[""], dtypes=[dtype])
+            return np.frombuffer(tf.io.serialize_tensor(t).numpy(), np.uint8).copy()
+        value = reader.get_tensor(key)
+    except _READ_ERRORS as e:
+        raise _unreadable(prefix, key, e) from e
     return np.asarray(value, dtype=np.dtype(dtype.as_numpy_dtype))
 
 
