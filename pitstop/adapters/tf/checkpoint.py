@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.training.saving import saveable_object_util
 
 from ... import CheckpointManager as _CoreManager
 from ...core.errors import (
@@ -40,7 +42,6 @@ from ...core.errors import (
     InvalidArgumentError,
 )
 from ...core.policy import CheckpointInfo
-from ...core.reader import CheckpointReader
 from . import _graph
 
 log = logging.getLogger("pitstop")
@@ -66,14 +67,14 @@ class _Runs:
     A directory another wrapper in this process writes to is shared with it, so that
     ``Checkpoint.restore(manager.latest_checkpoint)`` reads what the manager has in flight."""
 
-    _open: dict[str, weakref.ref[_CoreManager]] = {}
+    _open: dict[tuple[str, str], weakref.ref[_CoreManager]] = {}
     _lock = threading.Lock()
 
     @classmethod
     def get(cls, directory: str, name: str, *, create: bool, **options: Any) -> _CoreManager:
-        key = os.path.realpath(directory) if os.path.exists(directory) else directory
+        real = os.path.realpath(directory)
         with cls._lock:
-            ref = cls._open.get(key)
+            ref = cls._open.get((real, name or "ckpt-"))
             mgr = ref() if ref is not None else None
             if mgr is not None and not getattr(mgr, "_closed", False):
                 return mgr
@@ -82,10 +83,25 @@ class _Runs:
                 {"step_prefix": "ckpt-", "step_digits": 0})
             if not create and not os.path.isdir(directory):
                 raise CheckpointNotFoundError(f"no checkpoint at {directory}")
+            doomed: set[int] = set()
+            if create:
+                options["retention"] = [_Doomed(doomed)]
             mgr = _CoreManager(directory, read_only=not create, save_on_signals=None,
                                **naming, **options)
-            cls._open[os.path.realpath(directory)] = weakref.ref(mgr)
+            _RunState.of(mgr).doomed = doomed
+            cls._open[(real, name or "ckpt-")] = weakref.ref(mgr)
             return mgr
+
+
+class _Doomed:
+    """pitstop's retention policy for a run directory the adapter writes: keep every
+    checkpoint but those tf.train's sweep deleted (see :meth:`CheckpointManager._sweep`)."""
+
+    def __init__(self, doomed: set[int]) -> None:
+        self.doomed = doomed
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return {c.step for c in checkpoints if c.step not in self.doomed}
 
 
 class CheckpointLoadStatus:
@@ -132,12 +148,17 @@ class CheckpointLoadStatus:
         return self
 
     def assert_nontrivial_match(self) -> CheckpointLoadStatus:
-        """Something besides the root and its save counter was matched."""
+        """Something besides the root was matched (the save counter counts, as in
+        tf.train), or there is nothing else to match."""
         r = self._need()
-        counter = {cid for name, cid in r.graph[0][0] if name == "save_counter"}
-        if not any(s not in counter and s != 0 for s in r.outcome.matched):
-            raise AssertionError(
-                f"Nothing except the root object matched a checkpointed value in {self._path}")
+        if len(r.outcome.matched) <= 1:
+            matched = {id(o) for o in r.outcome.matched.values()}
+            unused = ["/".join(p) or "root" for p, obj in self._live_with_values()
+                      if id(obj) not in matched]
+            if unused:
+                raise AssertionError(
+                    f"Nothing except the root object matched a checkpointed value in "
+                    f"{self._path}; these objects have none: {', '.join(unused[:20])}")
         return self
 
     def expect_partial(self) -> CheckpointLoadStatus:
@@ -164,8 +185,19 @@ class Checkpoint:
     reachable as attributes (``ckpt.model``)."""
 
     def __init__(self, root: Any = None, **kwargs: Any) -> None:
-        object.__setattr__(self, "_tf", tf.train.Checkpoint(root=root, **kwargs))
+        object.__setattr__(self, "_tf", tf.train.Checkpoint(
+            root=_unwrap(root), **{k: _unwrap(v) for k, v in kwargs.items()}))
         object.__setattr__(self, "_runs", {})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Checkpoint:
+        """A copy of the object graph (as ``copy.deepcopy`` of tf.train's), writing on its
+        own."""
+        import copy
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        object.__setattr__(new, "_tf", copy.deepcopy(self._tf, memo))
+        object.__setattr__(new, "_runs", {})
+        return new
 
     # children and save_counter behave as tf.train's
     def __getattr__(self, name: str) -> Any:
@@ -174,7 +206,7 @@ class Checkpoint:
         return getattr(object.__getattribute__(self, "_tf"), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._tf, name, value)
+        setattr(self._tf, name, _unwrap(value))
 
     @property
     def save_counter(self) -> tf.Variable:
@@ -190,17 +222,28 @@ class Checkpoint:
     def write(self, file_prefix: str | os.PathLike[str], options: Any = None) -> str:
         """Write a checkpoint at exactly ``file_prefix``; returns it once the snapshot is
         taken (the commit follows in the background; ``sync()`` waits)."""
-        path = _fspath(file_prefix, "file_prefix")
-        directory, name, step = _split(path)
-        mgr = self._manager(directory, name)
-        self._save(mgr, step if name else _ONLY, path)
-        return path
+        return self._write(_fspath(file_prefix, "file_prefix"), record=False)
 
     def save(self, file_prefix: str | os.PathLike[str], options: Any = None) -> str:
-        """Increment ``save_counter`` and write ``<file_prefix>-<save_counter>``."""
+        """Increment ``save_counter`` and write ``<file_prefix>-<save_counter>``; a
+        ``CheckpointManager`` made later on that directory starts from it (``latest_checkpoint``),
+        as from tf.train's ``checkpoint`` file, and does not delete it."""
         prefix = _fspath(file_prefix, "file_prefix")
         self._tf.save_counter.assign_add(1)
-        return self.write(f"{prefix}-{int(self._tf.save_counter.numpy())}", options)
+        return self._write(f"{prefix}-{int(self._tf.save_counter.numpy())}", record=True)
+
+    def _write(self, path: str, record: bool) -> str:
+        directory, name, step = _split(path)
+        mgr = self._manager(directory, name)
+        step = step if name else _ONLY
+        if step in mgr.all_steps():
+            _overwrite(mgr, step, path)
+        run = _RunState.of(mgr)
+        run.doomed.discard(step)
+        meta = {_STATE: run.record({"latest": step, "managed": [], "last_preserved": 0.0})} \
+            if record else None
+        mgr.save(step, _graph_root(self._tf), user_metadata=meta)
+        return path
 
     def _manager(self, directory: str, name: str, **options: Any) -> _CoreManager:
         key = (os.path.abspath(directory), name)
@@ -209,11 +252,6 @@ class Checkpoint:
             mgr = _Runs.get(directory, name, create=True, **options)
             self._runs[key] = mgr
         return mgr
-
-    def _save(self, mgr: _CoreManager, step: int, path: str) -> None:
-        if step in mgr.all_steps():
-            _overwrite(mgr, step, path)
-        mgr.save(step, self._tf)
 
     def sync(self) -> None:
         """Wait until every save of this checkpoint is committed (raises a failed one)."""
@@ -238,16 +276,75 @@ class Checkpoint:
         tree = read_tree(path, self._runs)
         r = _graph.Restore(tree, os.path.basename(path))
         self._tf.save_counter  # noqa: B018 - created now, as tf.train's restore creates it
-        r.check(self._tf)
+        view = _graph_root(self._tf)
+        r.check(view)
         try:
-            r.apply(self._tf)
+            r.apply(view)
         except CheckpointError:
             raise
         except (tf.errors.OpError, ValueError, TypeError) as e:
             raise CheckpointError(
                 f"{path}: TensorFlow refused a restored value ({type(e).__name__}: {e}); some "
                 "objects may already hold the checkpoint's values") from e
-        return CheckpointLoadStatus(self._tf, r, path)
+        return CheckpointLoadStatus(view, r, path)
+
+
+def _unwrap(value: Any) -> Any:
+    """A pitstop Checkpoint given as a child is tracked as the tf.train one it wraps."""
+    return value.tf_checkpoint if isinstance(value, Checkpoint) else value
+
+
+class _RootView(trackable_base.Trackable):
+    """The object graph ``tf.train.Checkpoint(root=obj, **kwargs)`` saves: ``obj`` itself at
+    the root (its own dependencies and tensors), with the keyword arguments and
+    ``save_counter`` attached as further children, as tf.train's ``ObjectGraphView`` has it.
+    Values waiting for a child of the root wait on ``obj``, so they arrive when it gets it."""
+
+    def __init__(self, view: Any) -> None:
+        self._pitstop_view = view
+        root = view.root
+        if saveable_object_util.trackable_has_serialize_to_tensor(root):
+            self._serialize_to_tensors = root._serialize_to_tensors
+            self._restore_from_tensors = root._restore_from_tensors
+
+    @property
+    def _pitstop_root(self) -> Any:
+        return self._pitstop_view.root
+
+    def _trackable_children(self, save_type: Any = "checkpoint", **kwargs: Any) -> Any:
+        out = dict(self._pitstop_root._trackable_children(save_type, **kwargs))
+        for ref in self._pitstop_view._attached_dependencies or ():
+            if ref.ref is not None:
+                out.setdefault(ref.name, ref.ref)
+        return out
+
+    def _maybe_initialize_trackable(self) -> None:
+        self._pitstop_root._maybe_initialize_trackable()
+
+    @property
+    def _deferred_dependencies(self) -> Any:
+        return self._pitstop_root._deferred_dependencies
+
+    @property
+    def _update_uid(self) -> Any:
+        return getattr(self._pitstop_root, "_update_uid", None)
+
+    @_update_uid.setter
+    def _update_uid(self, value: Any) -> None:
+        self._pitstop_root._update_uid = value
+
+    @property
+    def _seed_generators(self) -> Any:
+        return getattr(self._pitstop_root, "_seed_generators", None)
+
+
+def _graph_root(ckpt: tf.train.Checkpoint) -> Any:
+    """What tf.train's saver walks from: the checkpoint itself, or its ``root=`` object."""
+    view = getattr(getattr(ckpt, "_saver", None), "_graph_view", None)
+    root = getattr(view, "root", None)
+    if view is None or root is None or root is ckpt:
+        return ckpt
+    return _RootView(view)
 
 
 def read_tree(path: str, runs: dict[Any, _CoreManager] | None = None) -> Any:
@@ -291,90 +388,77 @@ def _fspath(p: Any, what: str) -> str:
     return s
 
 
-class _Order:
-    """When each checkpoint of a run directory was saved: tf.train's manager orders its
-    checkpoints by save time, not by number (``checkpoint_number`` may go down). Times come
-    from the save itself, else from the checkpoint's manifest (read directly: this is also
-    asked on the background thread that applies retention)."""
+class _RunState:
+    """What every wrapper writing one run directory shares: the steps tf.train's sweep chose
+    to delete (pitstop's retention deletes them after the next commit) and the sequence
+    number of the newest saved manager state."""
+
+    _of: weakref.WeakKeyDictionary[_CoreManager, _RunState] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
 
     def __init__(self, mgr: _CoreManager) -> None:
         self.mgr = mgr
-        self.times: dict[int, float] = {}
+        self.doomed: set[int] = set()
+        self.seq: int | None = None
+        self.state: dict[str, Any] | None = None  # the newest, once saved or read
 
-    def saved(self, step: int) -> None:
-        self.times[step] = time.time()
+    @classmethod
+    def of(cls, mgr: _CoreManager) -> _RunState:
+        with cls._lock:
+            st = cls._of.get(mgr)
+            if st is None:
+                st = cls._of[mgr] = cls(mgr)
+            return st
 
-    def time_of(self, step: int, *, api: bool = False) -> float:
-        """When ``step`` was saved. ``api``: asked from a user's call, where the manager may
-        also answer for a snapshot recovered from the memory tier and not on disk yet (never
-        from the retention thread: the manager may wait there for that very thread)."""
-        t = self.times.get(step)
-        if t is None:
-            try:
-                name = self.mgr.naming.name(step)
-                t = CheckpointReader(self.mgr.storage, name, naming=self.mgr.naming,
-                                     threads=1).manifest.created_unix
-            except (CheckpointError, OSError):
-                if not api:
-                    return float("-inf")  # unreadable: the oldest, first to go
+    def recover(self) -> dict[str, Any] | None:
+        """The newest state a manager or ``Checkpoint.save`` recorded in this run (tf.train's
+        ``checkpoint`` file, kept in the manifest of the checkpoint saved with it)."""
+        if self.state is None:
+            best: dict[str, Any] | None = None
+            # snapshots recovered from the memory tier carry no user metadata: each was
+            # saved after everything on disk, so it is the newest, still managed
+            recovered = {r.step for r in getattr(self.mgr, "_recovered_all", ())}
+            late: list[tuple[float, int]] = []
+            for step in self.mgr.all_steps():
                 try:
-                    t = self.mgr.metadata(step).created_unix
-                except CheckpointError:
-                    return float("-inf")
-            self.times[step] = t
-        return t
+                    manifest = self.mgr.metadata(step)
+                except (CheckpointError, OSError):
+                    continue
+                st = manifest.user_metadata.get(_STATE)
+                if isinstance(st, dict) and isinstance(st.get("seq"), int):
+                    if best is None or st["seq"] > best["seq"]:
+                        best = st
+                elif step in recovered:
+                    late.append((manifest.created_unix, step))
+            for created, step in sorted(late):
+                base = best or {"seq": 0, "managed": [], "last_preserved": 0.0}
+                best = {**base, "latest": step, "managed": [
+                    *[m for m in base.get("managed", []) if m[0] != step], [step, created]]}
+            self.state = best
+        if self.seq is None:
+            self.seq = self.state["seq"] if self.state is not None else 0
+        return self.state
 
-    def sort(self, steps: Sequence[int], *, api: bool = False) -> list[int]:
-        return sorted(steps, key=lambda s: (self.time_of(s, api=api), s))
+    def record(self, state: dict[str, Any]) -> dict[str, Any]:
+        self.recover()
+        assert self.seq is not None
+        self.seq += 1
+        self.state = {"seq": self.seq, **state}
+        return self.state
 
 
-class _LazyOrder:
-    """The manager's :class:`_Order`, which exists only once the run directory is open (the
-    retention policy is given to the directory before that)."""
-
-    def __init__(self) -> None:
-        self.order: _Order | None = None
-
-    def sort(self, steps: Sequence[int]) -> list[int]:
-        return self.order.sort(steps) if self.order is not None else sorted(steps)
-
-    def time_of(self, step: int) -> float:
-        return self.order.time_of(step) if self.order is not None else 0.0
-
-
-class _KeepNewest:
-    """tf.train's ``max_to_keep`` (the last ``n`` saved) and
-    ``keep_checkpoint_every_n_hours`` (of the others, one every ``hours``, oldest first)."""
-
-    def __init__(self, n: int | None, hours: float | None, order: _LazyOrder) -> None:
-        self.n, self.order = n, order
-        self.seconds = None if hours is None else float(hours) * 3600.0
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        steps = self.order.sort([c.step for c in checkpoints])
-        kept = set(steps if self.n is None else steps[-self.n:])
-        if self.seconds is not None:
-            last: float | None = None
-            for s in steps:
-                t = self.order.time_of(s)
-                if last is None or t - self.seconds >= last:
-                    kept.add(s)
-                    last = t
-        return kept
-
-    def preserved(self, steps: Sequence[int]) -> set[int]:
-        """Of ``steps`` (in save order), those kept only by ``keep_checkpoint_every_n_hours``:
-        tf.train does not list them in ``checkpoints``."""
-        if self.n is None or self.seconds is None or len(steps) <= self.n:
-            return set()
-        return set(steps[:-self.n])
+#: the manifest's user-metadata key of tf.train's checkpoint state
+_STATE = "tf_checkpoint_state"
 
 
 class CheckpointManager:
     """``tf.train.CheckpointManager`` over a pitstop run directory: same arguments, numbering,
-    interval checks, ``max_to_keep`` and paths (``<directory>/<checkpoint_name>-<N>``), and
-    checkpoints ordered by when they were saved; saves return after the snapshot (``sync()``
-    waits for the commit)."""
+    interval checks, paths (``<directory>/<checkpoint_name>-<N>``), ``checkpoints`` and
+    ``latest_checkpoint``, and tf.train's retention (``max_to_keep``, then
+    ``keep_checkpoint_every_n_hours`` for what falls out of it), carried across restarts in
+    the newest checkpoint's manifest as tf.train carries it in its ``checkpoint`` file. Saves
+    return after the snapshot (``sync()`` waits for the commit); a checkpoint the sweep
+    drops is deleted once the newer one is committed."""
 
     def __init__(self, checkpoint: Checkpoint | tf.train.Checkpoint, directory: Any,
                  max_to_keep: int | None, keep_checkpoint_every_n_hours: float | None = None,
@@ -403,21 +487,39 @@ class CheckpointManager:
         self._name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
         self._max_to_keep = max_to_keep
+        self._hours = keep_checkpoint_every_n_hours
         self._step_counter = step_counter
         self._checkpoint_interval = checkpoint_interval
         self._last_checkpoint_step = last_checkpoint_step
         self._init_fn = init_fn
-        lazy = _LazyOrder()
-        self._retention = _KeepNewest(max_to_keep, keep_checkpoint_every_n_hours, lazy)
-        keeps = max_to_keep is not None or keep_checkpoint_every_n_hours is not None
-        self._mgr = _Runs.get(
-            self._directory, f"{checkpoint_name}-", create=True,
-            retention=[self._retention] if keeps else None, memory_tier=memory_tier,
-            async_save=async_save)
-        self._order = lazy.order = _Order(self._mgr)
+        self._mgr = _Runs.get(self._directory, f"{checkpoint_name}-", create=True,
+                              memory_tier=memory_tier, async_save=async_save)
+        self._run = _RunState.of(self._mgr)
         if isinstance(checkpoint, Checkpoint):
             checkpoint._runs[(os.path.abspath(self._directory), f"{checkpoint_name}-")] = \
                 self._mgr
+        # tf.train's state: the checkpoints it may still delete (save order, with their
+        # save times), the time of the last one kept for keep_checkpoint_every_n_hours,
+        # and the newest
+        self._maybe_delete: dict[int, float] = {}
+        self._latest: int | None = None
+        now = time.time()
+        state = self._run.recover()
+        if state is None:
+            self._last_preserved = now
+            return
+        steps = set(self._mgr.all_steps())
+        self._last_preserved = float(state.get("last_preserved", 0.0))
+        if now < self._last_preserved:
+            log.warning(
+                "pitstop: time.time() returned a value %s seconds behind the last preserved "
+                "checkpoint timestamp.", self._last_preserved - now)
+        for step, stamp in state.get("managed", []):
+            stamp = min(float(stamp), now)
+            if step in steps and stamp > self._last_preserved:
+                self._maybe_delete[int(step)] = stamp
+        latest = state.get("latest")
+        self._latest = latest if isinstance(latest, int) else None
 
     @property
     def directory(self) -> str:
@@ -434,24 +536,31 @@ class CheckpointManager:
     def _path(self, step: int) -> str:
         return f"{self._prefix}-{step}"
 
-    def _saved_order(self) -> list[int]:
-        return self._order.sort(self._mgr.all_steps(), api=True)
-
     @property
     def latest_checkpoint(self) -> str | None:
-        """The path of the checkpoint saved last (saves in flight included), or None."""
-        steps = self._saved_order()
-        return self._path(steps[-1]) if steps else None
+        """The path of the checkpoint saved last (a save in flight included), or None."""
+        return None if self._latest is None else self._path(self._latest)
 
     @property
     def checkpoints(self) -> list[str]:
-        """The checkpoints ``max_to_keep`` manages, oldest saved first (as tf.train lists
-        them: not the ones kept for ``keep_checkpoint_every_n_hours``)."""
-        steps = self._saved_order()
-        kept = self._retention.preserved(steps)
-        active = [s for s in steps if s not in kept]
-        return [self._path(s) for s in (active if self._max_to_keep is None
-                                         else active[-self._max_to_keep:])]
+        """The checkpoints this manager may still delete, oldest saved first (not those kept
+        for ``keep_checkpoint_every_n_hours``, nor those it did not save), as tf.train's."""
+        return [self._path(s) for s in self._maybe_delete]
+
+    def _sweep(self) -> set[int]:
+        """tf.train's sweep: beyond ``max_to_keep``, the oldest go, except one every
+        ``keep_checkpoint_every_n_hours``, which is kept and no longer managed."""
+        doomed: set[int] = set()
+        if not self._max_to_keep:
+            return doomed
+        while len(self._maybe_delete) > self._max_to_keep:
+            step = next(iter(self._maybe_delete))
+            stamp = self._maybe_delete.pop(step)
+            if self._hours and stamp - self._hours * 3600.0 >= self._last_preserved:
+                self._last_preserved = stamp
+                continue
+            doomed.add(step)
+        return doomed
 
     def save(self, checkpoint_number: Any = None, check_interval: bool = True,
              options: Any = None) -> str | None:
@@ -471,10 +580,18 @@ class CheckpointManager:
         counter.assign_add(1)
         number = _integer(counter if checkpoint_number is None else checkpoint_number,
                           "checkpoint_number")
+        now = time.time()
         if number in self._mgr.all_steps():
             _overwrite(self._mgr, number, self._path(number))
-        self._order.saved(number)
-        self._mgr.save(number, self._root)
+        self._run.doomed.discard(number)
+        self._maybe_delete.pop(number, None)
+        self._maybe_delete[number] = now
+        self._latest = number
+        self._run.doomed.update(self._sweep())
+        state = self._run.record({
+            "latest": number, "managed": [[s, t] for s, t in self._maybe_delete.items()],
+            "last_preserved": self._last_preserved})
+        self._mgr.save(number, _graph_root(self._root), user_metadata={_STATE: state})
         return self._path(number)
 
     def restore_or_initialize(self) -> str | None:
@@ -485,10 +602,11 @@ class CheckpointManager:
             if isinstance(self._checkpoint, Checkpoint):
                 self._checkpoint.restore(latest)
             else:
+                view = _graph_root(self._root)
                 r = _graph.Restore(read_tree(latest, {
                     (os.path.abspath(self._directory), f"{self._name}-"): self._mgr}))
-                r.check(self._root)
-                r.apply(self._root)
+                r.check(view)
+                r.apply(view)
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _integer(self._step_counter, "step_counter")
             return latest
