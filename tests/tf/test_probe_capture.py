@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -135,3 +136,40 @@ def test_string_variables_in_a_module_round_trip_and_a_bare_one_says_where(manag
     assert other.vocab.numpy().tolist() == [1.0, 2.0] and int(other.n) == 0
     with pytest.raises(pitstop.UnsupportedStateError, match="tf.Module"):
         m.save(2, {"vocab": tf.Variable(["a"])})
+
+
+class _Net(keras.Model):
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        self.first = first
+        setattr(self, first, keras.layers.Dense(4))
+        self.head = keras.layers.Dense(1)
+
+    def build(self, shape):
+        getattr(self, self.first).build(shape)
+        self.head.build((shape[0], 4))
+
+    def call(self, x):
+        return self.head(getattr(self, self.first)(x))
+
+
+def test_a_renamed_attribute_is_matched_as_tf_does_but_not_in_silence(manager):
+    x = tf.ones((2, 3))
+    saved = _Net("dense1")
+    saved(x)
+    m = manager()
+    m.save(1, {"model": saved})
+    renamed = _Net("fc1")
+    renamed(x)
+    kept = renamed.fc1.kernel.numpy().copy()
+    with pytest.warns(UserWarning, match=r"dense1/_kernel.*fc1/_kernel"):
+        assert m.restore({"model": renamed}) == 1
+    assert renamed.fc1.kernel.numpy().tobytes() == kept.tobytes()  # as tf.train leaves it
+    assert renamed.head.kernel.numpy().tobytes() == saved.head.kernel.numpy().tobytes()
+
+    later = _Net("dense1")  # not built yet: its values wait for it, nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert m.restore({"model": later}) == 1
+    later(x)
+    assert later.dense1.kernel.numpy().tobytes() == saved.dense1.kernel.numpy().tobytes()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,39 @@ class TrackableAdapter:
         _graph.Restore(tree).check(obj)
 
     def apply(self, obj: Any, tree: Any) -> None:
-        _graph.restore_into(obj, tree)
+        r = _graph.Restore(tree)
+        _graph.restore_into(obj, tree, restore=r)
+        _warn_unmatched(obj, r)
+
+
+def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
+    """Matching by local names, as tf.train's, leaves a renamed attribute's variables at
+    their initial values with no error; tf.train's status would say so at
+    ``assert_consumed()``, which a pitstop state has no place for: say it here, when saved
+    values found no object *and* existing variables got no value (objects merely not created
+    yet are not warned about)."""
+    unused = [s for s, (_c, attrs) in enumerate(r.graph)
+              if attrs and s not in r.outcome.matched]
+    if not unused:
+        return
+    matched = {id(o) for o in r.outcome.matched.values()}
+    objects, _edges, paths = _graph.walk(obj)
+    unset = ["/".join(_graph.key_components(p)) for o, p in zip(objects, paths, strict=True)
+             if id(o) not in matched and not any(c.startswith(_graph.EXTRA) for c in p)
+             and (base_variable(o) is not None or (_graph.is_trackable(o) and _graph.serializes(o)))]
+    if not unset:
+        return
+
+    def some(items: list[str]) -> str:
+        return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+    warnings.warn(
+        f"pitstop: restoring a {type(obj).__name__}: {len(unused)} saved object(s) with values "
+        f"found no object of that name ({some([r.label(s) for s in unused])}) and "
+        f"{len(unset)} existing variable(s) got no value ({some(unset)}). TensorFlow matches "
+        "objects by attribute name, so a renamed or added attribute keeps its initial "
+        "values, as with tf.train (whose assert_consumed() would fail); use the attribute "
+        "names that saved the checkpoint.", UserWarning, stacklevel=2)
 
 
 class TensorHint:

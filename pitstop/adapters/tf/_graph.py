@@ -438,9 +438,11 @@ def _saved_paths(graph: list[list[Any]]) -> list[tuple[str, ...]]:
     return [p if p is not None else ("<unreachable>",) for p in paths]
 
 
-def restore_into(live: Any, tree: Any, where: str = "") -> Outcome:
-    """Restore a captured tree into ``live`` with TensorFlow's matching rules."""
-    r = Restore(tree, where)
+def restore_into(live: Any, tree: Any, where: str = "", restore: Restore | None = None
+                 ) -> Outcome:
+    """Restore a captured tree into ``live`` with TensorFlow's matching rules (``restore``:
+    the :class:`Restore` of ``tree`` to use, to read what it matched afterwards)."""
+    r = restore if restore is not None else Restore(tree, where)
     try:
         return r.apply(live)
     except CheckpointError:
