@@ -98,7 +98,7 @@ def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str)
     m = Manifest(step=int(meta["step"]), hash_algorithm=algorithm,
                  structure=meta["structure"], values=meta["values"],
                  metrics=meta.get("metrics") or {}, directory_id=meta.get("directory_id"),
-                 created_unix=_created(meta))
+                 created_unix=_created(meta), user_metadata=meta.get("user_metadata") or {})
     layout = meta["layout"]
     m.files["shm.buf"] = int(layout["total"])
     for k, dt, shape, off, n in layout["arrays"]:

@@ -65,7 +65,7 @@ _CHILD = textwrap.dedent("""
     for s in commit:
         mgr.save(s, state_of(s)).wait()
     st = state_of(hold)
-    mgr.save(hold, st)
+    mgr.save(hold, st, user_metadata={"note": f"s{hold}"})
     st["w"][:] = -1          # training goes on and changes everything at once
     st["meta"]["epoch"] = -1
     time.sleep(600)
@@ -361,6 +361,7 @@ def test_latest_step_names_the_recovered_step_from_construction(tmp_path, cleanu
         # when save() was called, kept by the tier: after step 1's commit, before this test
         saved_at = mgr.metadata(2).created_unix
         assert mgr.metadata(1).created_unix <= saved_at <= time.time()
+        assert mgr.metadata(2).user_metadata == {"note": "s2"}  # the tier keeps it too
         target = zero_state()
         assert mgr.restore(target) == 2 and mgr.latest_step() == 2
         release.set()
