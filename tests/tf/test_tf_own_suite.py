@@ -591,7 +591,7 @@ def _warnings(peer: Peer, caplog, fn) -> str:
         return str(mock_log.call_args_list) + "\n" + caplog.text
 
 
-@pitstop_gap(NO_VALUE_OBJECT)
+
 def test_partial_restore_warning_attribute(peer, tmp_path, caplog):
     """testPartialRestoreWarningAttribute: a value nothing took is warned about (naming it
     and expect_partial()) once the restore is released."""
@@ -614,7 +614,7 @@ def test_partial_restore_warning_attribute(peer, tmp_path, caplog):
     assert "expect_partial()" in messages
 
 
-@pitstop_gap(NO_VALUE_OBJECT)
+
 def test_attribute_exception(peer, tmp_path):
     """testAttributeException: a value whose object cannot take it fails assert_consumed."""
     original_root = peer.Checkpoint(v1=tf.Variable(2.0), v2=tf.Variable(3.0))
@@ -625,7 +625,7 @@ def test_attribute_exception(peer, tmp_path):
         status.assert_consumed()
 
 
-@pitstop_gap(CYCLE)
+
 def test_silence_partial_warning(peer, tmp_path, caplog):
     """testSilencePartialWarning: expect_partial() silences it, and nothing keeps the
     objects alive."""
@@ -999,7 +999,7 @@ def test_initialize_with_root_object_and_kwargs(peer, tmp_path):
     assert (float(v), float(separate_variable), int(load.save_counter)) == (3, 5, 1)
 
 
-@pitstop_gap(CYCLE)
+
 def test_deferred_dependency_avoids_reference_cycles(peer, tmp_path):
     """test_deferred_dependency_avoids_reference_cycles: objects are freed by reference
     counting alone (no cycle through a deferred restore or the checkpoint)."""
@@ -1164,7 +1164,7 @@ def test_more_complex_saveable_returned(peer, tmp_path):
 # checkpoint_test.py: SerializeToTensorTest (eager)
 # ====================================================================================
 
-@pitstop_gap(ONE_CALL)
+
 def test_keys_and_metadata(peer, tmp_path):
     """SerializeToTensorTest.test_keys_and_metadata: an object saving tensors of its own
     (the root and a child), at TensorFlow's keys, restored through _restore_from_tensors.

@@ -87,7 +87,7 @@ def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
               if attrs and s not in r.outcome.matched]
     if not unused:
         return
-    matched = {id(o) for o in r.outcome.matched.values()}
+    matched = {id(o) for o in r.outcome.live()}
     objects, _edges, paths = _graph.walk(obj)
     unset = ["/".join(_graph.key_components(p)) for o, p in zip(objects, paths, strict=True)
              if id(o) not in matched and not any(c.startswith(_graph.EXTRA) for c in p)

@@ -22,7 +22,9 @@ the restore gets its values when it creates its variables.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +61,7 @@ EXTRA = ".seed_generator_"
 ATTRIBUTES = trackable_utils.OBJECT_ATTRIBUTES_NAME  # ".ATTRIBUTES"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
+log = logging.getLogger("pitstop")
 _uids = itertools.count(1)
 _uid_lock = threading.Lock()
 
@@ -188,12 +191,41 @@ def capture(root: Any, where: str = "") -> dict[str, Any]:
 # ------------------------------------------------------------------------------ restore
 @dataclass
 class Outcome:
-    """What one restore matched, for ``tf.train``-style status assertions."""
+    """What one restore matched, for ``tf.train``-style status assertions. It holds the live
+    objects weakly (as tf.train does), so a restore with values still waiting for objects
+    that are never created keeps nothing alive."""
 
-    #: saved node id -> the live object it went to
+    #: saved node id -> the live object it went to (a weak reference where one can be taken)
     matched: dict[int, Any] = field(default_factory=dict)
     #: saved node ids with values that are queued for objects not created yet
     deferred: set[int] = field(default_factory=set)
+    #: (saved node id, attribute) of values whose matched object takes none (tf.train's
+    #: "unused attributes")
+    unused: list[tuple[int, str]] = field(default_factory=list)
+    #: set by the status's expect_partial(): no warning about unrestored values
+    expect_partial: bool = False
+
+    def match(self, sid: int, obj: Any) -> None:
+        try:
+            self.matched[sid] = weakref.ref(obj)
+        except TypeError:
+            self.matched[sid] = _Strong(obj)
+
+    def live(self) -> list[Any]:
+        """The matched objects still alive."""
+        return [o for o in (r() for r in self.matched.values()) if o is not None]
+
+
+class _Strong:
+    """The stand-in for a weak reference to an object that cannot be weakly referenced."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
 
 
 class Restore:
@@ -202,7 +234,7 @@ class Restore:
     ``tree`` is the saved subtree: arrays as numpy (or ``ArraySpec`` for :meth:`check`), or
     as the live ``VariableLeaf`` objects the core already restored in place."""
 
-    def __init__(self, tree: Any, where: str = "") -> None:
+    def __init__(self, tree: Any, where: str = "", *, report_unrestored: bool = False) -> None:
         graph = tree.get(GRAPH) if isinstance(tree, Mapping) else None
         if not _valid_graph(graph):
             raise IncompatibleTargetError(
@@ -214,6 +246,15 @@ class Restore:
         with _uid_lock:
             self.restore_uid = next(_uids)
         self.outcome = Outcome()
+        if report_unrestored:
+            # as tf.train: once the restore is released (no value waits for an object any
+            # more), say which values no object took, unless expect_partial() was called
+            weakref.finalize(self, _report_unrestored, self.outcome, self.graph, self.paths,
+                             where)
+
+    def pretty(self, sid: int) -> str:
+        """tf.train's name for a saved object: ``(root).model.layer``."""
+        return ".".join(["(root)", *self.paths[sid]])
 
     # the attribute TensorFlow's deferred-restoration hook sorts by
     @property
@@ -240,7 +281,8 @@ class Restore:
         children whose live object does not exist yet are queued as deferred (``defer``)."""
         seen = self.outcome.matched
         queue = deque([(live, sid)])
-        seen.setdefault(sid, live)
+        if sid not in seen:
+            self.outcome.match(sid, live)
         while queue:
             obj, s = queue.popleft()
             yield obj, s
@@ -255,7 +297,7 @@ class Restore:
                     if defer and is_trackable(obj) and self._has_values(cid):
                         self._defer(obj, name, cid)
                     continue
-                seen[cid] = child
+                self.outcome.match(cid, child)
                 queue.append((child, cid))
 
     def _has_values(self, sid: int, _seen: set[int] | None = None) -> bool:
@@ -281,9 +323,13 @@ class Restore:
                 spec = self.value(sid, name)
                 key = f"{self.label(sid)}/{ATTRIBUTES}/{name}"
                 problem = _cannot_take(obj, kind, spec)
-                if problem:
+                if problem and not _takes_nothing(obj, kind):
                     problems.append(f"{key}: {problem}")
-        self.outcome = Outcome()  # a dry run: the real one matches again
+        # a dry run: the real one matches again (cleared in place: the release report holds
+        # this very object)
+        self.outcome.matched.clear()
+        self.outcome.deferred.clear()
+        self.outcome.unused.clear()
         if problems:
             raise IncompatibleTargetError(
                 "the TensorFlow objects differ from the checkpoint's:\n  " + "\n  ".join(
@@ -310,9 +356,14 @@ class Restore:
         uid = getattr(obj, "_update_uid", None)
         if isinstance(uid, int) and uid > self.restore_uid:
             return  # a newer restore already wrote this object (as TensorFlow decides)
+        tensors: dict[str, Any] = {}
         for name, tname, kind in attrs:
             value = self.value(sid, name)
             where = f"{self.label(sid)}/{ATTRIBUTES}/{name}"
+            if _takes_nothing(obj, kind):
+                # as tf.train: the value stays unused (assert_consumed() says so)
+                self.outcome.unused.append((sid, name))
+                continue
             problem = _cannot_take(obj, kind, value)
             if problem:
                 raise IncompatibleTargetError(f"{where}: {problem}", mismatched=[where])
@@ -322,8 +373,10 @@ class Restore:
                     continue  # restored in place already
                 var.assign(as_variable_value(leaf_to_tensor(value, kind, where), var))
             else:
-                tensors = {tname or _only_name(obj, where): leaf_to_tensor(value, kind, where)}
-                obj._restore_from_tensors(tensors)
+                tensors[tname or (name if len(attrs) > 1 else _only_name(obj, where))] = \
+                    leaf_to_tensor(value, kind, where)
+        if tensors:  # all of the object's tensors in one call, as tf.train passes them
+            obj._restore_from_tensors(tensors)
         if is_trackable(obj):
             obj._maybe_initialize_trackable()
             obj._update_uid = self.restore_uid
@@ -355,6 +408,39 @@ def _only_name(obj: Any, where: str) -> str:
         raise IncompatibleTargetError(
             f"{where}: cannot tell which of {type(obj).__name__}'s saved tensors this is")
     return names[0]
+
+
+def unrestored(outcome: Outcome, graph: list[list[Any]]) -> list[tuple[int, str | None]]:
+    """Saved values no object took: ``(node, None)`` for an object never matched,
+    ``(node, attribute)`` for a value its matched object takes none of."""
+    out: list[tuple[int, str | None]] = [
+        (s, None) for s, (_c, attrs) in enumerate(graph) if attrs and s not in outcome.matched]
+    return out + [(s, a) for s, a in outcome.unused]
+
+
+def _report_unrestored(outcome: Outcome, graph: list[list[Any]],
+                       paths: list[tuple[str, ...]], where: str) -> None:
+    if outcome.expect_partial:
+        return
+    left = unrestored(outcome, graph)
+    if not left:
+        return
+    names = [".".join(["(root)", *paths[s]]) + ("" if a is None else f" ({a})")
+             for s, a in left]
+    log.warning(
+        "pitstop: a restore of %s is released while %d value(s) in the checkpoint found no "
+        "object (a partial restore): %s%s. If that is intended (e.g. only the model is "
+        "restored for inference), call status.expect_partial() on the restore's status.",
+        where or "a checkpoint", len(left), ", ".join(names[:20]),
+        f" and {len(names) - 20} more" if len(names) > 20 else "")
+
+
+def _takes_nothing(obj: Any, kind: str) -> bool:
+    """An object that takes no saved values at all (a bare ``Trackable``, a container where
+    the checkpoint has a variable): tf.train leaves such values unused instead of failing."""
+    del kind
+    return base_variable(obj) is None and not (
+        is_trackable(obj) and saveable_object_util.trackable_has_serialize_to_tensor(obj))
 
 
 def _cannot_take(obj: Any, kind: str, value: Any) -> str | None:

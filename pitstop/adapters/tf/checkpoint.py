@@ -133,12 +133,17 @@ class CheckpointLoadStatus:
             raise AssertionError(
                 f"Unresolved objects in checkpoint {self._path}: {', '.join(unmatched[:20])}"
                 + (f" and {len(unmatched) - 20} more" if len(unmatched) > 20 else ""))
+        if r.outcome.unused:
+            raise AssertionError(
+                "Unused attributes in these objects (the attributes exist in the checkpoint "
+                f"{self._path} but were not restored):\n" + "\n".join(
+                    f"    {r.pretty(s)}: [{a!r}]" for s, a in r.outcome.unused[:20]))
         return self.assert_existing_objects_matched()
 
     def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
         """Every object that exists now and holds values got one from the checkpoint."""
         r = self._need()
-        matched = {id(o) for o in r.outcome.matched.values()}
+        matched = {id(o) for o in r.outcome.live()}
         missing = ["/".join(p) or "root" for p, obj in self._live_with_values()
                    if id(obj) not in matched]
         if missing:
@@ -152,7 +157,7 @@ class CheckpointLoadStatus:
         tf.train), or there is nothing else to match."""
         r = self._need()
         if len(r.outcome.matched) <= 1:
-            matched = {id(o) for o in r.outcome.matched.values()}
+            matched = {id(o) for o in r.outcome.live()}
             unused = ["/".join(p) or "root" for p, obj in self._live_with_values()
                       if id(obj) not in matched]
             if unused:
@@ -163,7 +168,8 @@ class CheckpointLoadStatus:
 
     def expect_partial(self) -> CheckpointLoadStatus:
         """Silence warnings about values in the checkpoint no object took."""
-        self._restore = self._restore  # nothing is warned at collection time
+        if self._restore is not None:
+            self._restore.outcome.expect_partial = True
         return self
 
     def run_restore_ops(self, session: Any = None) -> None:
@@ -274,7 +280,7 @@ class Checkpoint:
             return CheckpointLoadStatus(self._tf, None, None)
         path = _fspath(save_path, "save_path")
         tree = read_tree(path, self._runs)
-        r = _graph.Restore(tree, os.path.basename(path))
+        r = _graph.Restore(tree, os.path.basename(path), report_unrestored=True)
         self._tf.save_counter  # noqa: B018 - created now, as tf.train's restore creates it
         view = _graph_root(self._tf)
         r.check(view)
@@ -371,8 +377,8 @@ def read_tree(path: str, runs: dict[Any, _CoreManager] | None = None) -> Any:
 
 
 def _overwrite(mgr: _CoreManager, step: int, path: str) -> None:
-    """tf.train overwrites a checkpoint written again at the same path; pitstop moves the old
-    one out first, so the new one is committed whole or not at all."""
+    """tf.train overwrites a checkpoint written again at the same path: pitstop deletes the
+    old one first (only one this directory's runs wrote; ``CheckpointManager.delete``)."""
     mgr.delete(step)
 
 
@@ -603,10 +609,11 @@ class CheckpointManager:
                 self._checkpoint.restore(latest)
             else:
                 view = _graph_root(self._root)
-                r = _graph.Restore(read_tree(latest, {
-                    (os.path.abspath(self._directory), f"{self._name}-"): self._mgr}))
+                tree = read_tree(latest, {
+                    (os.path.abspath(self._directory), f"{self._name}-"): self._mgr})
+                r = _graph.Restore(tree, os.path.basename(latest))
                 r.check(view)
-                r.apply(view)
+                _graph.restore_into(view, tree, os.path.basename(latest), restore=r)
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _integer(self._step_counter, "step_counter")
             return latest
