@@ -31,6 +31,11 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=-1)
     a = p.parse_args()
 
+    # bitwise-equal losses across processes need deterministic kernels and one thread
+    # each (a reduction split another way under load rounds differently)
+    tf.config.experimental.enable_op_determinism()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     keras.utils.set_random_seed(1)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 6)).astype(np.float32)
