@@ -272,6 +272,11 @@ class Catalog:
             raise CheckpointError(
                 f"{where} is being read (a restore, `pitstop verify`...) in another process; "
                 "try again when it is done")
+        self._forget(step)
+
+    def _forget(self, step: int) -> None:
+        """Drop a step that left the directory from the index (written now, or at the next
+        commit when that fails)."""
         with self.lock:
             self.index.pop(step, None)
             try:
@@ -294,13 +299,7 @@ class Catalog:
         except OSError as e:
             log.warning("pitstop: could not move %s aside: %s", self.storage.path_of(name), e)
             return None
-        with self.lock:
-            self.index.pop(step, None)
-            try:
-                self._write_index()
-            except OSError as e:
-                self.dirty = True
-                log.warning("pitstop: could not update the index: %s", e)
+        self._forget(step)
         return new
 
     # ------------------------------------------------------------------ queries

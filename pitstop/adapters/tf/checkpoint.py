@@ -122,6 +122,12 @@ class CheckpointLoadStatus:
                 out.append((path, obj))
         return out
 
+    def _without_value(self) -> list[str]:
+        """Live objects holding values that this restore gave none."""
+        matched = {id(o) for o in self._need().outcome.live()}
+        return ["/".join(p) or "root" for p, obj in self._live_with_values()
+                if id(obj) not in matched]
+
     def assert_consumed(self) -> CheckpointLoadStatus:
         """Every value in the checkpoint went to an object, and every object got one."""
         r = self._need()
@@ -142,10 +148,7 @@ class CheckpointLoadStatus:
 
     def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
         """Every object that exists now and holds values got one from the checkpoint."""
-        r = self._need()
-        matched = {id(o) for o in r.outcome.live()}
-        missing = ["/".join(p) or "root" for p, obj in self._live_with_values()
-                   if id(obj) not in matched]
+        missing = self._without_value()
         if missing:
             raise AssertionError(
                 f"Objects not assigned a value from checkpoint {self._path}: "
@@ -155,11 +158,8 @@ class CheckpointLoadStatus:
     def assert_nontrivial_match(self) -> CheckpointLoadStatus:
         """Something besides the root was matched (the save counter counts, as in
         tf.train), or there is nothing else to match."""
-        r = self._need()
-        if len(r.outcome.matched) <= 1:
-            matched = {id(o) for o in r.outcome.live()}
-            unused = ["/".join(p) or "root" for p, obj in self._live_with_values()
-                      if id(obj) not in matched]
+        if len(self._need().outcome.matched) <= 1:
+            unused = self._without_value()
             if unused:
                 raise AssertionError(
                     f"Nothing except the root object matched a checkpointed value in "
