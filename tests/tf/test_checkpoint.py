@@ -279,3 +279,20 @@ def test_a_save_that_returned_survives_sigkill_in_the_memory_tier(tmp_path):
     mgr.sync()
     assert (tmp_path / "run" / "ckpt-2" / "manifest.json").exists()
     mgr.close()
+
+
+def test_latest_checkpoint_reads_pitstop_and_native_directories(tmp_path):
+    from pitstop.adapters.tf import latest_checkpoint
+    v = tf.Variable(1.0)
+    assert latest_checkpoint(tmp_path / "none") is None
+    mgr = CheckpointManager(Checkpoint(v=v), tmp_path / "run", max_to_keep=2)
+    mgr.save()
+    mgr.save(checkpoint_number=7)
+    mgr.save(checkpoint_number=3)  # saved last: the latest, as tf.train says
+    assert latest_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "ckpt-3")  # in flight
+    mgr.close()
+    assert latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt-3")
+    native = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path / "tf"), 2)
+    path = native.save()
+    assert latest_checkpoint(tmp_path / "tf") == path == tf.train.latest_checkpoint(
+        str(tmp_path / "tf"))

@@ -26,10 +26,16 @@ from ..rng import register_rng_provider
 from . import _rng
 from ._adapter import TensorHint, TrackableAdapter, VariableAdapter
 from ._leaf import VariableLeaf
-from .checkpoint import Checkpoint, CheckpointLoadStatus, CheckpointManager
+from .checkpoint import (
+    Checkpoint,
+    CheckpointLoadStatus,
+    CheckpointManager,
+    latest_checkpoint,
+)
 
 for _adapter in (VariableAdapter(), TrackableAdapter(), TensorHint()):
     register_adapter(_adapter)
 register_rng_provider("tensorflow", _rng.get_state, _rng.set_state, module="tensorflow")
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointLoadStatus", "VariableLeaf"]
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointLoadStatus", "latest_checkpoint",
+           "VariableLeaf"]

@@ -630,6 +630,30 @@ class CheckpointManager:
         self._mgr.close()
 
 
+def latest_checkpoint(checkpoint_dir: str | os.PathLike[str],
+                      latest_filename: str | None = None) -> str | None:
+    """``tf.train.latest_checkpoint`` that also reads a pitstop run directory: the path of
+    the checkpoint saved last (by a manager or ``Checkpoint.save``), or None; a directory
+    of native TensorFlow checkpoints is answered by tf.train itself."""
+    d = _fspath(checkpoint_dir, "checkpoint_dir")
+    if not os.path.isdir(os.path.join(d, ".pitstop")):
+        return tf.train.latest_checkpoint(d, latest_filename)
+    reader = _CoreManager(d, read_only=True, save_on_signals=None)
+    try:
+        prefix = reader.naming.prefix
+        ref = _Runs._open.get((os.path.realpath(d), prefix))
+        writer = ref() if ref is not None else None
+        mgr = writer if writer is not None and not writer._closed else reader
+        steps = mgr.all_steps()
+        state = _RunState.of(mgr).recover() if steps else None
+        latest = state.get("latest") if state is not None else None
+        if not isinstance(latest, int) or latest not in steps:
+            latest = steps[-1] if steps else None
+        return None if latest is None else os.path.join(d, mgr.naming.name(latest))
+    finally:
+        reader.close()
+
+
 def _integer(value: Any, what: str) -> int:
     if isinstance(value, (tf.Variable, tf.Tensor)) or _graph.base_variable(value) is not None:
         value = value.numpy() if hasattr(value, "numpy") else value.value.numpy()
