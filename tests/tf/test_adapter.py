@@ -121,7 +121,8 @@ def test_a_renamed_attribute_is_not_restored_as_in_tf(manager, tmp_path):
     for mod in (ours, theirs):
         mod.renamed.assign([0.0, 0.0])
         mod.keep.assign([0.0])
-    m.restore({"m": ours})
+    with pytest.warns(UserWarning, match=r"found no object of that name \(w\).*\(renamed\)"):
+        m.restore({"m": ours})  # tf.train says nothing until assert_consumed(); pitstop warns
     tf.train.Checkpoint(m=theirs).read(tf_path).expect_partial()
     assert ours.renamed.numpy().tolist() == theirs.renamed.numpy().tolist() == [0.0, 0.0]
     assert ours.keep.numpy().tolist() == theirs.keep.numpy().tolist() == [5.0]
