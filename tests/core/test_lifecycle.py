@@ -198,11 +198,12 @@ def test_a_rolled_back_run_never_mixes_with_the_abandoned_one(tmp_path, caplog):
         # ... which stay on disk until the run's first step() or save()
         assert (d / step_name(40)).is_dir()
         # the run continues from 20, with other values (another data order, say)
-        for s in range(21, 36):
-            h = mgr.step(s, state_of(1000 + s))
-            if s == 30:
-                assert h is not None, "step 30 of the new run must be saved"
-                h.wait()
+        with pytest.warns(UserWarning, match="abandoned were moved aside"):
+            for s in range(21, 36):
+                h = mgr.step(s, state_of(1000 + s))
+                if s == 30:
+                    assert h is not None, "step 30 of the new run must be saved"
+                    h.wait()
         mgr.wait()
         assert mgr.all_steps() == [0, 10, 20, 30]
     moved = [e for e in os.listdir(d) if parse_aside_name(e)]
@@ -231,7 +232,8 @@ def test_rollback_then_training_moves_the_bad_future_aside(tmp_path):
         state = state_of(0)
         assert mgr.rollback(state) == 4
         assert mgr.restore(state, step=2) == 2
-        mgr.save(3, state_of(300)).wait()
+        with pytest.warns(UserWarning, match="abandoned were moved aside"):
+            mgr.save(3, state_of(300)).wait()
         assert mgr.all_steps() == [1, 2, 3]
         assert mgr.restore(state_of(0)) == 3
 
@@ -507,8 +509,9 @@ def test_the_final_step_recipe_after_going_back_to_an_older_step(tmp_path):
         assert mgr.restore(state, step=500) == 500
         assert mgr.latest_step() == 500
         state["run"] = "B"
-        for step in range(501, 1000):
-            mgr.step(step, state)
+        with pytest.warns(UserWarning, match="abandoned were moved aside"):
+            for step in range(501, 1000):
+                mgr.step(step, state)
         if mgr.latest_step() != 999:
             mgr.save(999, state)
     with open_mgr(d) as mgr:

@@ -369,6 +369,7 @@ def test_a_root_key_named_like_the_root_marker_is_an_ordinary_key(tmp_path):
             mgr.restore(bare, step=2)
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 @pytest.mark.parametrize("make", [np.matrix, lambda a: a.view(np.recarray)],
                          ids=["matrix", "recarray"])
 def test_ndarray_subclass_targets_restore_and_valid_checkpoints_stay(tmp_path, make):
