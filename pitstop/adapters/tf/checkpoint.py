@@ -283,15 +283,19 @@ class Checkpoint:
         r = _graph.Restore(tree, os.path.basename(path), report_unrestored=True)
         self._tf.save_counter  # noqa: B018 - created now, as tf.train's restore creates it
         view = _graph_root(self._tf)
-        r.check(view)
         try:
+            r.check(view)
             r.apply(view)
-        except CheckpointError:
+        except BaseException as e:
+            # the error says what went wrong: no warning follows that values found no object
+            # (with a hint to call expect_partial() on a status the caller never got)
+            r.outcome.expect_partial = True
+            if isinstance(e, (tf.errors.OpError, ValueError, TypeError)) and \
+                    not isinstance(e, CheckpointError):
+                raise CheckpointError(
+                    f"{path}: TensorFlow refused a restored value ({type(e).__name__}: {e}); "
+                    "some objects may already hold the checkpoint's values") from e
             raise
-        except (tf.errors.OpError, ValueError, TypeError) as e:
-            raise CheckpointError(
-                f"{path}: TensorFlow refused a restored value ({type(e).__name__}: {e}); some "
-                "objects may already hold the checkpoint's values") from e
         return CheckpointLoadStatus(view, r, path)
 
 
@@ -509,6 +513,9 @@ class CheckpointManager:
         # and the newest
         self._maybe_delete: dict[int, float] = {}
         self._latest: int | None = None
+        #: the checkpoints saved as the newest, oldest first: when the save of the newest
+        #: fails in the background, ``latest_checkpoint`` falls back to the one before it
+        self._saved: list[int] = []
         now = time.time()
         state = self._run.recover()
         if state is None:
@@ -526,6 +533,7 @@ class CheckpointManager:
                 self._maybe_delete[int(step)] = stamp
         latest = state.get("latest")
         self._latest = latest if isinstance(latest, int) else None
+        self._saved = [] if self._latest is None else [self._latest]
 
     @property
     def directory(self) -> str:
@@ -545,13 +553,30 @@ class CheckpointManager:
     @property
     def latest_checkpoint(self) -> str | None:
         """The path of the checkpoint saved last (a save in flight included), or None."""
+        self._forget_lost()
         return None if self._latest is None else self._path(self._latest)
 
     @property
     def checkpoints(self) -> list[str]:
         """The checkpoints this manager may still delete, oldest saved first (not those kept
         for ``keep_checkpoint_every_n_hours``, nor those it did not save), as tf.train's."""
+        self._forget_lost()
         return [self._path(s) for s in self._maybe_delete]
+
+    def _forget_lost(self) -> None:
+        """Drop the checkpoints that are neither committed nor being saved: a save that
+        failed in the background (a full disk) never was a checkpoint, as a tf.train save
+        that raised is not recorded, so it is not listed, not the latest, and does not count
+        towards ``max_to_keep`` (which would delete a good checkpoint in its place)."""
+        try:
+            steps = set(self._mgr.all_steps())
+        except CheckpointError:  # a forked child: the parent's manager is not usable here
+            return
+        for step in [s for s in self._maybe_delete if s not in steps]:
+            del self._maybe_delete[step]
+        self._saved = [s for s in self._saved if s in steps]
+        if self._latest is not None and self._latest not in steps:
+            self._latest = self._saved[-1] if self._saved else None
 
     def _sweep(self) -> set[int]:
         """tf.train's sweep: beyond ``max_to_keep``, the oldest go, except one every
@@ -587,17 +612,29 @@ class CheckpointManager:
         number = _integer(counter if checkpoint_number is None else checkpoint_number,
                           "checkpoint_number")
         now = time.time()
+        self._forget_lost()
         if number in self._mgr.all_steps():
             _overwrite(self._mgr, number, self._path(number))
-        self._run.doomed.discard(number)
-        self._maybe_delete.pop(number, None)
-        self._maybe_delete[number] = now
-        self._latest = number
-        self._run.doomed.update(self._sweep())
-        state = self._run.record({
-            "latest": number, "managed": [[s, t] for s, t in self._maybe_delete.items()],
-            "last_preserved": self._last_preserved})
-        self._mgr.save(number, _graph_root(self._root), user_metadata={_STATE: state})
+        # as tf.train, a save that raises records nothing: its state is put back
+        before = (dict(self._maybe_delete), self._latest, list(self._saved),
+                  self._last_preserved, set(self._run.doomed), self._run.state)
+        try:
+            self._run.doomed.discard(number)
+            self._maybe_delete.pop(number, None)
+            self._maybe_delete[number] = now
+            self._latest = number
+            self._saved = [*(s for s in self._saved if s != number), number]
+            self._run.doomed.update(self._sweep())
+            state = self._run.record({
+                "latest": number, "managed": [[s, t] for s, t in self._maybe_delete.items()],
+                "last_preserved": self._last_preserved})
+            self._mgr.save(number, _graph_root(self._root), user_metadata={_STATE: state})
+        except BaseException:
+            (self._maybe_delete, self._latest, self._saved, self._last_preserved, doomed,
+             self._run.state) = before
+            self._run.doomed.clear()
+            self._run.doomed.update(doomed)
+            raise
         return self._path(number)
 
     def restore_or_initialize(self) -> str | None:

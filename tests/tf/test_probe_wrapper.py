@@ -1,0 +1,101 @@
+"""Lifecycle and misuse of the tf.train-style wrapper: what a failed save leaves behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+tf = pytest.importorskip("tensorflow")
+
+import pitstop  # noqa: E402
+from pitstop.adapters.tf import Checkpoint, CheckpointManager  # noqa: E402
+from pitstop.core.storage import local  # noqa: E402
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk(True)``: every commit fails with ENOSPC (in the background), until
+    ``full_disk(False)``."""
+    real = local._LocalTransaction.commit
+    on = [False]
+
+    def commit(self, manifest):
+        if on[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, manifest)
+
+    monkeypatch.setattr(local._LocalTransaction, "commit", commit)
+
+    def switch(value: bool) -> None:
+        on[0] = value
+
+    return switch
+
+
+def test_a_save_that_fails_in_the_background_is_not_recorded(tmp_path, full_disk):
+    v = tf.Variable([1.0, 2.0])
+    ckpt = Checkpoint(v=v)
+    d = str(tmp_path / "run")
+    manager = CheckpointManager(ckpt, d, max_to_keep=2, memory_tier=False)
+    try:
+        first = manager.save()
+        manager.sync()
+        full_disk(True)
+        assert manager.save() == f"{d}/ckpt-2"
+        with pytest.raises(pitstop.CheckpointError):
+            manager.sync()
+        full_disk(False)
+        # as tf.train after a save that raised: the failed one is neither latest nor listed
+        assert manager.latest_checkpoint == first
+        assert manager.checkpoints == [first]
+        v.assign([0.0, 0.0])
+        assert manager.restore_or_initialize() == first
+        assert v.numpy().tolist() == [1.0, 2.0]
+        # and it does not count towards max_to_keep: the good checkpoint 1 is kept (the
+        # restore set save_counter back to 1, as tf.train's does, so this is ckpt-2 again)
+        third = manager.save()
+        manager.sync()
+        assert third == f"{d}/ckpt-2"
+        assert manager.checkpoints == [first, third]
+        assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == \
+            ["ckpt-1", "ckpt-2"]
+    finally:
+        manager.close()
+    again = CheckpointManager(Checkpoint(v=tf.Variable([0.0, 0.0])), d, max_to_keep=2)
+    try:
+        assert again.checkpoints == [first, third]
+        assert again.latest_checkpoint == third
+    finally:
+        again.close()
+
+
+def test_a_save_that_raises_leaves_the_managers_state_as_it_was(tmp_path):
+    ckpt = Checkpoint(v=tf.Variable([1.0, 2.0]))
+    d = str(tmp_path / "run")
+    manager = CheckpointManager(ckpt, d, max_to_keep=1, memory_tier=False)
+    try:
+        first = manager.save()
+        with pytest.raises(ValueError):
+            manager.save(checkpoint_number=-1)
+        assert manager.latest_checkpoint == first
+        assert manager.checkpoints == [first]
+        manager.sync()
+        assert os.path.isdir(first)
+        assert manager.restore_or_initialize() == first
+    finally:
+        manager.close()
+
+
+def test_a_refused_restore_is_not_followed_by_a_partial_restore_warning(tmp_path, caplog):
+    import gc
+    path = Checkpoint(v=tf.Variable([1.0, 2.0])).write(str(tmp_path / "one"))
+    target = tf.Variable([7.0, 8.0, 9.0])
+    wrong = Checkpoint(v=target)
+    with pytest.raises(pitstop.IncompatibleTargetError, match="VARIABLE_VALUE"):
+        wrong.restore(path)
+    gc.collect()
+    assert target.numpy().tolist() == [7.0, 8.0, 9.0]  # nothing changed
+    assert "expect_partial" not in caplog.text
