@@ -99,3 +99,24 @@ def test_a_refused_restore_is_not_followed_by_a_partial_restore_warning(tmp_path
     gc.collect()
     assert target.numpy().tolist() == [7.0, 8.0, 9.0]  # nothing changed
     assert "expect_partial" not in caplog.text
+
+
+def test_a_manager_made_after_a_restore_by_path_saves(tmp_path):
+    d = str(tmp_path / "run")
+    first = CheckpointManager(Checkpoint(v=tf.Variable([1.0])), d, max_to_keep=3)
+    first.save()
+    first.close()
+    # a restarted job: restore by path (tf.train's idiom), then a manager on that directory
+    ckpt = Checkpoint(v=tf.Variable([0.0]))
+    status = ckpt.restore(f"{d}/ckpt-1")
+    manager = CheckpointManager(ckpt, d, max_to_keep=3)
+    try:
+        assert manager.save() == f"{d}/ckpt-2"
+        assert ckpt.save(f"{d}/ckpt") == f"{d}/ckpt-3"
+        manager.sync()
+        ckpt.sync()
+    finally:
+        manager.close()
+    status.assert_consumed()
+    assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == \
+        ["ckpt-1", "ckpt-2", "ckpt-3"]

@@ -76,7 +76,10 @@ class _Runs:
         with cls._lock:
             ref = cls._open.get((real, name or "ckpt-"))
             mgr = ref() if ref is not None else None
-            if mgr is not None and not getattr(mgr, "_closed", False):
+            # a reader opened for a restore does not answer for a writer: a manager made
+            # after ``restore(path)`` of its directory must be able to save there
+            if mgr is not None and not getattr(mgr, "_closed", False) and (
+                    not create or not mgr.read_only):
                 return mgr
             naming: dict[str, Any] = (
                 {"step_prefix": name, "step_digits": 0} if name else
