@@ -36,11 +36,13 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.training.saving import saveable_object_util
 
 from ... import CheckpointManager as _CoreManager
+from ...core import memtier as memtier_mod
 from ...core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     InvalidArgumentError,
 )
+from ...core.memtier import MemoryTier
 from ...core.policy import CheckpointInfo
 from . import _graph
 
@@ -91,9 +93,45 @@ class _Runs:
                 options["retention"] = [_Doomed(doomed)]
             mgr = _CoreManager(directory, read_only=not create, save_on_signals=None,
                                **naming, **options)
+            if not create and _persist_memory_tier(mgr, directory):
+                mgr.close()
+                mgr = _CoreManager(directory, read_only=True, save_on_signals=None,
+                                   **naming, **options)
             _RunState.of(mgr).doomed = doomed
             cls._open[(real, name or "ckpt-")] = weakref.ref(mgr)
             return mgr
+
+
+def _persist_memory_tier(reader: _CoreManager, directory: str) -> bool:
+    """Commit the saves of ``directory`` whose snapshot survived their writer (a SIGKILL
+    after ``save()`` returned) in the memory tier; True when there were some.
+
+    Only a writer recovers them: a reader does not see them, so after a restart
+    ``restore(latest_checkpoint(d))`` would start afresh in silence, and ``restore`` of the
+    path ``save()`` returned would not find it. A directory a live writer holds (here or in
+    another process) is left to it."""
+    root = memtier_mod.default_root()
+    if root is None or not reader.directory_id:
+        return False
+    steps = reader.all_steps()
+    tier = MemoryTier(root, directory, reader.directory_id)
+    try:
+        waiting = [m for m, _buf in tier.candidates()
+                   if tier.trusted(m, steps[-1] if steps else None) is None]
+    except OSError:
+        return False
+    if not waiting:
+        return False
+    try:
+        writer = _CoreManager(directory, save_on_signals=None, retention=[_Doomed(set())])
+    except CheckpointError:  # DirectoryLockedError: its live writer recovers them
+        return False
+    try:
+        recovered = bool(writer._recovered_all)
+        writer.wait()
+    finally:
+        writer.close()
+    return recovered
 
 
 class _Doomed:
@@ -683,6 +721,10 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str],
         prefix = reader.naming.prefix
         ref = _Runs._open.get((os.path.realpath(d), prefix))
         writer = ref() if ref is not None else None
+        if (writer is None or writer._closed or writer.read_only) and \
+                _persist_memory_tier(reader, d):
+            reader.close()
+            reader = _CoreManager(d, read_only=True, save_on_signals=None)
         mgr = writer if writer is not None and not writer._closed else reader
         steps = mgr.all_steps()
         state = _RunState.of(mgr).recover() if steps else None
