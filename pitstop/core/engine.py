@@ -434,6 +434,16 @@ class Engine:
         self._copier.shutdown()
 
     # ------------------------------------------------------------------ background
+    def _what_is_left(self) -> str:
+        """The end of a failed save's message: what the user still has."""
+        location = getattr(self.storage, "location", "")
+        if location and "://" not in location and not os.path.isdir(location):
+            return (f"The checkpoint directory {location} no longer exists (deleted or moved "
+                    "while this manager had it open), so nothing more can be committed there; "
+                    "open a new CheckpointManager to start a run directory again.")
+        return "Committed checkpoints are intact."
+
+    # ------------------------------------------------------------------ background
     def _run(self) -> None:
         while True:
             job = self._queue.get()
@@ -447,7 +457,7 @@ class Engine:
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                 err = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
                     f"saving step {job.step} to {self.storage.path_of(name)} failed: "
-                    f"{type(e).__name__}: {e}. Committed checkpoints are intact.",
+                    f"{type(e).__name__}: {e}. {self._what_is_left()}",
                     step=job.step, path=self.storage.path_of(name))
                 if err is not e:
                     err.__cause__ = e

@@ -43,3 +43,22 @@ def test_delete_refuses_what_is_not_there_or_not_ours(tmp_path):
     with open_mgr(tmp_path / "a", read_only=True) as r:
         with pytest.raises(pitstop.CheckpointError, match="read_only"):
             r.delete(5)
+
+
+def test_a_run_directory_deleted_under_the_manager_is_named_as_such(tmp_path):
+    """The failure of the next save says the directory is gone (not that committed
+    checkpoints are intact), and a new manager starts the directory again."""
+    m = open_mgr(tmp_path / "gone")
+    try:
+        m.save(1, {"a": np.zeros(3)}).wait()
+        shutil.rmtree(tmp_path / "gone")
+        with pytest.raises(pitstop.CheckpointWriteError, match="no longer exists"):
+            m.save(2, {"a": np.ones(3)}).wait()
+    finally:
+        try:
+            m.close()
+        except pitstop.CheckpointError:
+            pass
+    with open_mgr(tmp_path / "gone") as again:
+        again.save(3, {"a": np.ones(3)}).wait()
+        assert again.all_steps() == [3]
