@@ -11,6 +11,10 @@ default, as in an interactive terminal.
 import signal
 from pathlib import Path
 
+import pytest
+
+import pitstop
+
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -19,7 +23,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 #: that torch imports (through torch.optim -> torch._dynamo) crash when one process loads
 #: both. ``pytest tests`` runs each in a subprocess (tests/test_isolated_suites.py);
 #: ``pytest tests/tf`` runs it directly.
-ISOLATED = {"tf": "tensorflow"}
+from test_isolated_suites import ISOLATED  # noqa: E402  (one list, where it is run)
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -30,3 +35,21 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     asked = [Path(str(a).split("::")[0]).resolve() for a in config.args]
     only_this = bool(asked) and all(a == path or path in a.parents for a in asked)
     return None if only_this else True
+
+
+@pytest.fixture
+def manager(tmp_path: Path):
+    """``manager()`` -> a CheckpointManager on a fresh directory (same dir on each call):
+    synchronous saves, no signal handlers, no memory tier, so each test is self-contained."""
+    made = []
+
+    def make(**kwargs):
+        opts = dict(save_on_signals=None, memory_tier=False, async_save=False)
+        opts.update(kwargs)
+        m = pitstop.CheckpointManager(tmp_path / "ckpt", **opts)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()

@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ISOLATED
 
 ROOT = Path(__file__).resolve().parents[1]
+#: test folder -> the framework it needs; tests/conftest.py keeps these folders out of any
+#: other pytest process (TensorFlow and torch's triton cannot share one)
+ISOLATED = {"tf": "tensorflow"}
 
 
 @pytest.mark.parametrize("folder", sorted(ISOLATED))

@@ -14,7 +14,7 @@ import pitstop
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_helpers import make_model, same, train_step, values  # noqa: E402
+from tf_helpers import killed_after_save, make_model, same, train_step, values  # noqa: E402
 
 from pitstop.adapters.tf import Checkpoint, CheckpointManager  # noqa: E402
 
@@ -247,30 +247,9 @@ def test_retention_survives_a_restart_and_leaves_foreign_checkpoints_alone(tmp_p
     mgr.close()
 
 
-CHILD = r"""
-import os, signal, sys, time
-os.environ["KERAS_BACKEND"] = "tensorflow"
-import numpy as np, tensorflow as tf
-from pitstop.adapters.tf import Checkpoint, CheckpointManager
-v = tf.Variable(np.arange(1 << 20, dtype=np.float32))
-mgr = CheckpointManager(Checkpoint(v=v), sys.argv[1], max_to_keep=2, memory_tier=True)
-mgr.save(); mgr.sync()
-mgr._mgr.hooks["before_write"] = lambda step: time.sleep(60)  # the commit never comes
-v.assign_add(tf.ones_like(v))
-print(mgr.save(), flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs /dev/shm")
 def test_a_save_that_returned_survives_sigkill_in_the_memory_tier(tmp_path):
-    import subprocess
-    import sys
-    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
-    r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "run")], text=True,
-                       capture_output=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root))
-    assert r.returncode == -9 and r.stdout.strip().endswith("ckpt-2"), r.stdout + r.stderr
+    assert killed_after_save(str(tmp_path / "run"), 1 << 20).endswith("ckpt-2")
     v = tf.Variable(np.zeros(1 << 20, np.float32))
     mgr = CheckpointManager(Checkpoint(v=v), tmp_path / "run", max_to_keep=2, memory_tier=True)
     assert mgr.latest_checkpoint == str(tmp_path / "run" / "ckpt-2")  # before it is on disk

@@ -122,36 +122,16 @@ def test_a_manager_made_after_a_restore_by_path_saves(tmp_path):
         ["ckpt-1", "ckpt-2", "ckpt-3"]
 
 
-KILLED = r"""
-import os, signal, sys, time
-os.environ["KERAS_BACKEND"] = "tensorflow"
-import numpy as np, tensorflow as tf
-from pitstop.adapters.tf import Checkpoint, CheckpointManager
-v = tf.Variable(np.arange(1 << 16, dtype=np.float32))
-mgr = CheckpointManager(Checkpoint(v=v), sys.argv[1], max_to_keep=2, memory_tier=True)
-mgr.save(); mgr.sync()
-mgr._mgr.hooks["before_write"] = lambda step: time.sleep(60)  # the commit never comes
-v.assign_add(tf.ones_like(v))
-print(mgr.save(), flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs /dev/shm")
 @pytest.mark.parametrize("how", ["latest_checkpoint", "path"])
 def test_restoring_by_path_after_a_sigkill_finds_the_save_that_returned(tmp_path, how):
     """tf.train's restart idiom, ``ckpt.restore(latest_checkpoint(d))`` (or the path the
     save returned), without a manager: the snapshot in the memory tier is that checkpoint."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tf_helpers import killed_after_save
 
     from pitstop.adapters.tf import latest_checkpoint
-    root = str(Path(__file__).resolve().parents[2])
     d = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "-c", KILLED, d], text=True, capture_output=True,
-                       timeout=300, env=dict(os.environ, PYTHONPATH=root))
-    assert r.returncode == -9 and r.stdout.strip() == f"{d}/ckpt-2", r.stdout + r.stderr
+    assert killed_after_save(d, 1 << 16) == f"{d}/ckpt-2"
     v = tf.Variable(tf.zeros([1 << 16]))
     ckpt = Checkpoint(v=v)
     if how == "latest_checkpoint":

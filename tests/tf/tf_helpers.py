@@ -43,3 +43,34 @@ def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(
         x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
         for x, y in zip(a, b, strict=True))
+
+
+_KILLED_AFTER_SAVE = r"""
+import os, signal, sys, time
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import numpy as np, tensorflow as tf
+from pitstop.adapters.tf import Checkpoint, CheckpointManager
+v = tf.Variable(np.arange(int(sys.argv[2]), dtype=np.float32))
+mgr = CheckpointManager(Checkpoint(v=v), sys.argv[1], max_to_keep=2, memory_tier=True)
+mgr.save(); mgr.sync()
+mgr._mgr.hooks["before_write"] = lambda step: time.sleep(60)  # the commit never comes
+v.assign_add(tf.ones_like(v))
+print(mgr.save(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def killed_after_save(directory: str, n: int) -> str:
+    """Run a job that saves ``v = arange(n)`` as ckpt-1, then ``v + 1`` as ckpt-2, and is
+    SIGKILLed right after that save returned (its commit held back): ckpt-2 lives only in
+    the memory tier. Returns the path the second save returned."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, directory, str(n)],
+                       text=True, capture_output=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == -9, r.stdout + r.stderr
+    return r.stdout.strip()

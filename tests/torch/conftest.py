@@ -1,29 +1,7 @@
-"""Shared helpers for the torch adapter tests."""
+"""torch adapter tests: torch or a skip. The ``manager`` fixture is in tests/conftest.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-
-import pitstop  # noqa: E402
-
-
-@pytest.fixture
-def manager(tmp_path: Path):
-    """``manager()`` -> a CheckpointManager on a fresh directory (same dir on each call):
-    synchronous saves, no signal handlers, no memory tier, so each test is self-contained."""
-    made = []
-
-    def make(**kwargs):
-        opts = dict(save_on_signals=None, memory_tier=False, async_save=False)
-        opts.update(kwargs)
-        m = pitstop.CheckpointManager(tmp_path / "ckpt", **opts)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.close()
