@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.training.saving import saveable_object_util
@@ -737,16 +738,13 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str],
 
 
 def _integer(value: Any, what: str) -> int:
+    """An integer given as a Python or numpy integer, or a scalar variable or tensor."""
     if isinstance(value, (tf.Variable, tf.Tensor)) or _graph.base_variable(value) is not None:
         value = value.numpy() if hasattr(value, "numpy") else value.value.numpy()
-    try:
-        import numpy as np
-        if isinstance(value, np.ndarray) and value.shape == ():
-            value = value.item()
-        if isinstance(value, np.integer):
-            value = int(value)
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, np.integer):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
     return value
