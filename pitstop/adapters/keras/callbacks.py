@@ -1,0 +1,465 @@
+"""``keras.callbacks.ModelCheckpoint`` and ``BackupAndRestore`` with one import changed.
+
+Both subclass Keras's own callbacks, so arguments, defaults, validation errors, formatted
+paths, best-only decisions and verbose messages are Keras's. What changes is underneath:
+``ModelCheckpoint`` writes its files from an in-memory snapshot in the background, atomically,
+with an integrity record; ``BackupAndRestore`` keeps pitstop checkpoints (asynchronous,
+hashed, memory tier, saved on SIGTERM) and resumes mid-epoch exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import errno
+import os
+import shutil
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from ...core.errors import CheckpointWriteError, IncompatibleTargetError
+from ..registry import register_adapter
+from ..rng import RNG
+from . import files
+from ._leaf import BACKEND, KerasVariableLeaf, _host, numpy_dtype
+
+_KerasModelCheckpoint: Any = keras.callbacks.ModelCheckpoint
+_KerasBackupAndRestore: Any = keras.callbacks.BackupAndRestore
+
+#: saves whose file is still being written, at most, before the next one waits for the oldest
+_MAX_PENDING = 2
+
+
+def _scalars(logs: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in (logs or {}).items():
+        try:
+            a = np.asarray(keras.ops.convert_to_numpy(v))
+        except Exception:
+            continue
+        if a.shape == () and a.dtype.kind in "fiub":
+            out[str(k)] = float(a)
+    return out
+
+
+class ModelCheckpoint(_KerasModelCheckpoint):
+    """Keras's ``ModelCheckpoint`` (same arguments, files and decisions) whose saves cost
+    ``fit()`` an in-memory copy of the weights only.
+
+    The file is written in the background; it appears atomically (never half-written, even
+    after SIGKILL) with ``<file>.pitstop`` beside it (size, hash, epoch, batch, logs: see
+    :func:`pitstop.adapters.keras.verify_file`). ``keep_last`` keeps only the newest N files this
+    callback wrote. With ``save_best_only`` and a batch ``save_freq``, a ``val_`` metric
+    (computed at epoch ends only) is judged when it is fresh, at the epoch's end, instead of
+    saving unjudged at every batch save; one warning says so. ``fit()`` returns once every
+    file is written; a write that failed raises :class:`pitstop.CheckpointWriteError`.
+    """
+
+    def __init__(self, filepath: Any, monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq: str | int = "epoch",
+                 initial_value_threshold: float | None = None, *,
+                 keep_last: int | None = None) -> None:
+        super().__init__(filepath, monitor=monitor, verbose=verbose,
+                         save_best_only=save_best_only, save_weights_only=save_weights_only,
+                         mode=mode, save_freq=save_freq,
+                         initial_value_threshold=initial_value_threshold)
+        if keep_last is not None and (isinstance(keep_last, bool)
+                                      or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an integer >= 1, got {keep_last!r}")
+        self.keep_last = keep_last
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: collections.deque[tuple[str, concurrent.futures.Future[None]]] = (
+            collections.deque())
+        self._written: list[str] = []
+        self._failure: BaseException | None = None
+        self._stale_warned = False
+
+    # ------------------------------------------------------------------ decisions
+    def _judged_at_epoch_end(self) -> bool:
+        """Best-only with batch saves on a metric only validation produces."""
+        return (self.save_best_only and self.save_freq != "epoch"
+                and str(self.monitor).startswith("val_"))
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self._judged_at_epoch_end() and not self._stale_warned:
+            self._stale_warned = True
+            warnings.warn(
+                f"ModelCheckpoint(save_best_only=True, monitor={self.monitor!r}, "
+                f"save_freq={self.save_freq!r}): {self.monitor!r} is computed only at the end "
+                "of an epoch (validation), so no batch save ever sees a fresh value. pitstop "
+                "judges it at each epoch end and saves then if it improved; Keras's own "
+                "callback would save unjudged at every batch save. Use save_freq='epoch', or "
+                "monitor a training metric (e.g. 'loss') to judge at batch saves.",
+                UserWarning, stacklevel=2)
+        super().on_train_begin(logs)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if self._judged_at_epoch_end() and self.monitor in (logs or {}):
+            self._save_model(epoch=epoch, batch=self._last_batch_seen, logs=logs,
+                             _fresh=True)
+
+    def _save_model(self, epoch: int, batch: int | None, logs: Any,
+                    _fresh: bool = False) -> None:
+        logs = logs or {}
+        if not _fresh and batch is not None and self._judged_at_epoch_end() \
+                and self.monitor not in logs:
+            return  # judged at the epoch's end, on a fresh value (warned at train begin)
+        self._raise_failure()
+        filepath = self._get_file_path(epoch, batch, logs)
+        if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        if os.path.isdir(filepath):
+            raise OSError("Please specify a non-directory filepath for ModelCheckpoint. "
+                          f"Filepath used is an existing directory: {filepath}")
+        snap = files.snapshot(self.model, filepath, self.save_weights_only)
+        info = {"epoch": epoch + 1, "batch": None if batch is None else batch + 1,
+                "logs": _scalars(logs), "monitor": self.monitor,
+                "best": None if self.best is None else float(self.best)}
+        self._submit(snap, filepath, info)
+        if self.verbose > 0:
+            keras.utils.io_utils.print_msg(
+                f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
+
+    # ------------------------------------------------------------------ background writes
+    def _submit(self, snap: files.Snapshot, filepath: str, info: dict[str, Any]) -> None:
+        while len(self._pending) >= _MAX_PENDING:
+            self._finish_one()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="pitstop-keras-checkpoint")
+        if snap.model is not None:
+            # Keras saves the file itself (legacy .h5, or internals this pitstop does not
+            # know): it reads the live model, so it runs here, before training goes on
+            self._finish_all()
+            self._write(snap, filepath, info)
+            return
+        self._pending.append((filepath, self._pool.submit(self._write, snap, filepath, info)))
+
+    def _write(self, snap: files.Snapshot, filepath: str, info: dict[str, Any]) -> None:
+        try:
+            files.write(snap, filepath, info)
+        except OSError as e:
+            hint = ("free disk space (or keep fewer files: keep_last=)"
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+                    "check that the directory is writable")
+            raise CheckpointWriteError(
+                f"ModelCheckpoint could not write {filepath}: {e.strerror or e}; files "
+                f"written before it are intact. {hint[0].upper()}{hint[1:]}.",
+                path=filepath) from e
+        full = os.path.abspath(filepath)
+        if full in self._written:
+            self._written.remove(full)
+        self._written.append(full)
+        if self.keep_last is not None:
+            while len(self._written) > self.keep_last:
+                files.remove(self._written.pop(0))
+
+    def _finish_one(self) -> None:
+        _, fut = self._pending.popleft()
+        try:
+            fut.result()
+        except BaseException as e:
+            self._failure = self._failure or e
+
+    def _finish_all(self) -> None:
+        while self._pending:
+            self._finish_one()
+
+    def _raise_failure(self) -> None:
+        while self._pending and self._pending[0][1].done():
+            self._finish_one()
+        if self._failure is not None:
+            e, self._failure = self._failure, None
+            raise e
+
+    def wait(self) -> None:
+        """Wait until every file requested so far is written; raise the first failure."""
+        self._finish_all()
+        self._raise_failure()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.wait()
+        super().on_train_end(logs)
+
+
+# ====================================================================== BackupAndRestore
+class _FitState:
+    """What a mid-``fit()`` backup holds, built fresh at each save (variables by reference)."""
+
+    def __init__(self, owner: BackupAndRestore) -> None:
+        self.owner = owner
+
+    def state_dict(self) -> dict[str, Any]:
+        o = self.owner
+        model = o.model  # on JAX this property syncs the training state into the variables
+        opt = model.optimizer
+        gen = _global_seed_generator()
+        return {
+            "model": [KerasVariableLeaf(v) for v in model.variables],
+            "optimizer": [KerasVariableLeaf(v) for v in (opt.variables if opt else [])],
+            # running means of the loss and compiled metrics: a few floats, kept as values
+            # (TensorFlow builds compiled metrics only at the first step of a new fit())
+            "metrics": [[str(v.path), str(v.dtype), np.asarray(_host(v.value)).tolist()]
+                        for v in model.metrics_variables],
+            "global_seed": [KerasVariableLeaf(gen.state)] if gen is not None else [],
+            "paths": {"model": [str(v.path) for v in model.variables],
+                      "optimizer": [str(v.path) for v in (opt.variables if opt else [])]},
+            "progress": dict(o._progress()),
+            "rng": RNG().state_dict(),
+            "rng_epoch_begin": o._rng_epoch,
+        }
+
+    def load_state_dict(self, tree: dict[str, Any]) -> None:
+        self.owner._loaded(tree)
+
+
+class FitStateAdapter:
+    """A backup's state is matched strictly: every variable list must have the checkpoint's
+    length, shapes and dtypes (a generic ``state_dict`` adapter may replace instead)."""
+
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, _FitState)
+
+    def capture(self, obj: _FitState) -> dict[str, Any]:
+        return obj.state_dict()
+
+    def apply(self, obj: _FitState, tree: dict[str, Any]) -> None:
+        obj.load_state_dict(tree)
+
+
+register_adapter(FitStateAdapter())
+
+
+def _global_seed_generator() -> Any:
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("global_seed_generator")
+
+
+class BackupAndRestore(_KerasBackupAndRestore):
+    """Keras's ``BackupAndRestore`` (same arguments and semantics) that resumes exactly.
+
+    Backups are pitstop checkpoints in ``backup_dir``: taken from an in-memory snapshot,
+    written in the background, hashed, kept in the memory tier (a SIGKILL right after a save
+    loses nothing) and taken on SIGTERM / SIGINT at the next batch. A ``fit()`` interrupted
+    mid-epoch resumes at the next batch with the same shuffle order, dropout masks, metric
+    running means, optimizer state and RNG streams as an uninterrupted ``fit()``: the
+    batches already trained are passed over without computing (the callbacks still see
+    them, with the logs of the backup). ``manager_options`` are passed on to the
+    :class:`pitstop.CheckpointManager` that keeps the backups.
+    """
+
+    def __init__(self, backup_dir: Any, save_freq: str | int = "epoch",
+                 double_checkpoint: bool = False, delete_checkpoint: bool = True, *,
+                 manager_options: dict[str, Any] | None = None) -> None:
+        super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
+                         delete_checkpoint=delete_checkpoint)
+        self.backup_dir = os.fspath(backup_dir)
+        #: more keyword arguments for the pitstop.CheckpointManager that keeps the backups
+        #: (memory_tier=, save_on_signals=, compression=, ...)
+        self.manager_options = dict(manager_options or {})
+        self._mgr: Any = None
+        self._state = _FitState(self)
+        self._global = 0          # batches trained since the run began: the checkpoint step
+        self._done_in_epoch = 0   # batches of the current epoch trained
+        self._epoch_complete = False
+        self._rng_epoch: Any = None
+        self._last_logs: dict[str, float] = {}
+        self._resume: dict[str, Any] | None = None
+        self._skip_until = 0
+        self._real_train_function: Any = None
+        self._metrics_pending: list[Any] | None = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _progress(self) -> dict[str, Any]:
+        if self._epoch_complete:
+            return {"epoch": self._current_epoch, "batch": 0, "global": self._global,
+                    "logs": self._last_logs}
+        return {"epoch": self._current_epoch, "batch": self._done_in_epoch,
+                "global": self._global, "logs": self._last_logs}
+
+    def _manager(self) -> Any:
+        if self._mgr is None:
+            from ...core.manager import CheckpointManager
+
+            every = self.save_freq if self.save_freq != "epoch" and self.save_freq else None
+            opts: dict[str, Any] = {
+                "keep_last": 2 if self.double_checkpoint else 1,
+                "save_every_steps": max(int(every), 1) if every else None, "on_busy": "wait"}
+            opts.update(self.manager_options)
+            self._mgr = CheckpointManager(self.backup_dir, **opts)
+        return self._mgr
+
+    # ------------------------------------------------------------------ restore
+    def on_train_begin(self, logs: Any = None) -> None:
+        model = self.model
+        if not model.built:
+            raise ValueError(
+                "To use the BackupAndRestore callback, you model must be built before you call "
+                f"`fit()`. Model {model} is unbuilt. You can build it beforehand by calling it "
+                "on a batch of data.")
+        self._global, self._done_in_epoch, self._resume = 0, 0, None
+        self._current_epoch, self._last_batch_seen = 0, 0
+        self._epoch_complete = False
+        mgr = self._manager()
+        if mgr.latest_step() is None:
+            return
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)  # to restore its slots into
+        # a damaged newest backup is moved aside and the one before it restored (kept with
+        # double_checkpoint=True); with none valid, CorruptCheckpointError says so
+        try:
+            restored = mgr.restore(self._state)
+        except IncompatibleTargetError as e:
+            raise IncompatibleTargetError(
+                f"the backup in {self.backup_dir} was written for another model (or "
+                f"compile()): {self._describe(e)}. Resume with the model and optimizer it was "
+                "saved from, or give this run another backup_dir. Nothing was restored.\n"
+                f"{e}", missing=e.missing_keys, unexpected=e.unexpected_keys,
+                mismatched=e.mismatched_keys) from None
+        if restored is None:
+            return
+        p = self._resume
+        assert p is not None
+        model._initial_epoch = p["epoch"] if p["epoch"] else None
+        self._current_epoch = p["epoch"]
+        self._global = p["global"]
+        if not p["batch"]:
+            RNG().load_state_dict(p["rng"])  # the run goes on from an epoch boundary
+            self._resume = None
+
+    def _describe(self, e: IncompatibleTargetError) -> str:
+        """The variables an incompatible-backup error's keys (``model/3``) stand for."""
+        model = self.model
+        parts = {"model": model.variables,
+                 "optimizer": model.optimizer.variables if model.optimizer else []}
+        out = []
+        for key in [*e.mismatched_keys, *e.missing_keys][:4]:
+            part, _, index = key.partition("/")
+            if part in parts and index.isdigit() and int(index) < len(parts[part]):
+                v = parts[part][int(index)]
+                out.append(f"{part} variable {v.path} {v.dtype}{list(v.shape)} has no match")
+        n = len(e.unexpected_keys)
+        if n:
+            out.append(f"{n} saved variable(s) have no place here")
+        return "; ".join(out) or "the saved state has another structure"
+
+    def _loaded(self, tree: dict[str, Any]) -> None:
+        p = dict(tree["progress"])
+        p["rng"], p["rng_epoch_begin"] = tree["rng"], tree["rng_epoch_begin"]
+        p["metrics"] = list(tree["metrics"])  # given back when the resumed epoch begins
+        self._resume = p
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._current_epoch = epoch
+        self._done_in_epoch, self._epoch_complete, self._skip_until = 0, False, 0
+        p = self._resume
+        if p is not None and epoch == p["epoch"] and p["batch"]:
+            self._resume = None
+            # the epoch's shuffle is drawn after this callback: draw it as the first run did
+            RNG().load_state_dict(p["rng_epoch_begin"])
+            self._rng_epoch = p["rng_epoch_begin"]
+            self._metrics_pending = p["metrics"]
+            if len(self.model.metrics_variables) == len(p["metrics"]):
+                self._assign_metrics()
+            self._last_logs = dict(p["logs"])
+            self._done_in_epoch = self._skip_until = int(p["batch"])
+            self._pass_over(int(p["batch"]), p["rng"])
+            return
+        self._resume = None
+        self._rng_epoch = RNG().state_dict()
+
+    def _assign_metrics(self) -> None:
+        saved, self._metrics_pending = self._metrics_pending or [], None
+        mine = self.model.metrics_variables
+        if len(mine) != len(saved):
+            warnings.warn(
+                f"pitstop: the backup in {self.backup_dir} holds {len(saved)} metric variables, "
+                f"this model {len(mine)} (compile() changed?): the epoch's logged metrics "
+                "restart from zero; weights and optimizer are restored exactly", stacklevel=2)
+            return
+        for v, (_, dtype, value) in zip(mine, saved, strict=True):
+            KerasVariableLeaf(v).assign(np.asarray(value, dtype=numpy_dtype(dtype)))
+
+    def _pass_over(self, batches: int, rng_after: Any) -> None:
+        """Make the epoch's first ``batches`` train steps consume their data and train
+        nothing: they were trained before the interruption."""
+        model = self.model
+        real = self._real_train_function = model.train_function
+        per_call = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
+        left = [batches]
+        logs = dict(self._last_logs)
+
+        def done() -> None:
+            left[0] -= per_call
+            if left[0] <= 0:
+                model.train_function = real
+                self._real_train_function = None
+                RNG().load_state_dict(rng_after)
+
+        def consume(iterator: Any) -> None:
+            for _ in range(per_call):
+                data = next(iterator)
+                if self._metrics_pending is not None:
+                    # TensorFlow builds compiled metrics when it first traces a step: build
+                    # them (symbolically: no layer runs) to give them their running values
+                    model._symbolic_build(data_batch=data)
+                    self._assign_metrics()
+
+        if BACKEND == "jax":  # the train function pulls its batches from the iterator
+            def skip(state: Any, iterator: Any) -> Any:
+                consume(iterator)
+                done()
+                return logs, state
+        elif BACKEND == "tensorflow":
+            def skip(iterator: Any) -> Any:  # type: ignore[misc]
+                consume(iterator)
+                done()
+                return logs
+        else:
+            def skip(data: Any) -> Any:  # type: ignore[misc]
+                done()
+                return logs
+        model.train_function = skip
+
+    # ------------------------------------------------------------------ saves
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if batch < self._skip_until:
+            return  # a batch passed over on resume
+        self._last_batch_seen = batch
+        self._global += batch + 1 - self._done_in_epoch
+        self._done_in_epoch = batch + 1
+        self._last_logs = _scalars(logs)
+        self._manager().step(self._global, self._state)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._current_epoch = epoch + 1
+        self._last_batch_seen = 0
+        self._epoch_complete = True
+        self._last_logs = _scalars(logs)
+        if self.save_freq == "epoch":
+            mgr = self._manager()
+            if self._global not in mgr.all_steps():
+                mgr.save(self._global, self._state)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self._real_train_function is not None:  # fit ended before the passing over did
+            self.model.train_function = self._real_train_function
+            self._real_train_function = None
+        self.model._initial_epoch = None
+        mgr, self._mgr = self._mgr, None
+        if mgr is not None:
+            mgr.close()
+        if self.delete_checkpoint and os.path.exists(self.backup_dir):
+            shutil.rmtree(self.backup_dir)
+
+    def wait(self) -> None:
+        """Wait until the backups requested so far are committed."""
+        if self._mgr is not None:
+            self._mgr.wait()
+
