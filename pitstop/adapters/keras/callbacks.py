@@ -85,6 +85,9 @@ class ModelCheckpoint(_KerasModelCheckpoint):
                 and str(self.monitor).startswith("val_"))
 
     def on_train_begin(self, logs: Any = None) -> None:
+        folder = os.path.dirname(os.path.abspath(self.filepath))
+        if "{" not in folder:
+            files.remove_stale_temporaries(folder)  # left by a writer killed mid-file
         if self._judged_at_epoch_end() and not self._stale_warned:
             self._stale_warned = True
             warnings.warn(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import time
 import zipfile
@@ -161,6 +162,41 @@ def _tmp_name(filepath: str) -> str:
     d, base = os.path.split(filepath)
     ext = ".weights.h5" if base.endswith(".weights.h5") else os.path.splitext(base)[1]
     return os.path.join(d, f".{base}.{os.getpid()}-{next(_tmp_ids)}.pitstop-tmp{ext}")
+
+
+_TMP = re.compile(r"^\..+\.(\d+)-\d+\.pitstop-tmp")
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Delete the temporary files of writers that died (SIGKILL mid-write) in ``directory``;
+    a live process's files are left alone. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _hash_file(path: str) -> tuple[int, str]:

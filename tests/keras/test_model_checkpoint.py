@@ -1,0 +1,229 @@
+"""pitstop's ModelCheckpoint: what it adds to Keras's (Keras's own tests are in
+test_keras_own_suite.py): the same files as Keras's callback, written in the background,
+appearing atomically with an integrity record, keep_last, best-only on fresh values, and
+errors a user can act on."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zipfile
+from pathlib import Path
+
+import h5py
+import keras
+import numpy as np
+import pytest
+
+import pitstop
+from pitstop.adapters.keras import ModelCheckpoint, files, verify_file
+
+BACKEND = keras.backend.backend()
+
+
+def make_model(seed: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.2),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
+    return model
+
+
+def data(n: int = 40):
+    rs = np.random.RandomState(0)
+    x = rs.randn(n, 4).astype("float32")
+    return x, x.sum(1, keepdims=True)
+
+
+def weights_of(model: keras.Model) -> list[np.ndarray]:
+    return [np.array(keras.ops.convert_to_numpy(v)) for v in model.weights]
+
+
+def h5_tree(source) -> dict:
+    """Every group and dataset of an HDF5 file: path -> (attrs, value bytes or None)."""
+    out = {}
+    with h5py.File(source, "r") as f:
+        def visit(name, obj):
+            attrs = {k: str(v) for k, v in obj.attrs.items()}
+            out[name] = (attrs, obj[()].tobytes() if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(visit)
+    return out
+
+
+@pytest.mark.parametrize("weights_only", [False, True], ids=["keras", "weights.h5"])
+def test_same_files_as_keras_own_callback(tmp_path, weights_only) -> None:
+    """The differential: one fit, Keras's callback and pitstop's side by side, at every
+    epoch; the files hold the same entries, configuration and bytes of every variable."""
+    ext = ".weights.h5" if weights_only else ".keras"
+    model, (x, y) = make_model(), data()
+    theirs = keras.callbacks.ModelCheckpoint(str(tmp_path / f"k{{epoch}}{ext}"),
+                                             save_weights_only=weights_only)
+    ours = ModelCheckpoint(str(tmp_path / f"p{{epoch}}{ext}"), save_weights_only=weights_only)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[theirs, ours])
+    for epoch in (1, 2):
+        k, p = tmp_path / f"k{epoch}{ext}", tmp_path / f"p{epoch}{ext}"
+        verify_file(p)
+        if weights_only:
+            assert h5_tree(p) == h5_tree(k)
+            continue
+        with zipfile.ZipFile(k) as zk, zipfile.ZipFile(p) as zp:
+            assert sorted(zk.namelist()) == sorted(zp.namelist())
+            assert zk.read("config.json") == zp.read("config.json")
+            import io
+            assert h5_tree(io.BytesIO(zk.read("model.weights.h5"))) == \
+                h5_tree(io.BytesIO(zp.read("model.weights.h5")))
+    # and Keras opens them as its own
+    if weights_only:
+        other = make_model(5)
+        other.load_weights(tmp_path / f"p2{ext}")
+    else:
+        other = keras.models.load_model(tmp_path / f"p2{ext}")
+    for a, b in zip(weights_of(other), weights_of(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fit_goes_on_while_the_file_is_written(tmp_path, monkeypatch) -> None:
+    """The first file's write is held back until training has finished the next batch (and
+    asked for that batch's file too): a synchronous save could never get there (the test
+    would fail on the timeout, not hang)."""
+    reached = threading.Event()
+    real_write = files.write
+    first = []
+
+    def slow_write(snap, filepath, info=None):
+        if not first:
+            first.append(filepath)
+            assert reached.wait(60), "training did not go on while the file was written"
+        real_write(snap, filepath, info)
+
+    monkeypatch.setattr(files, "write", slow_write)
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                reached.set()
+
+    model, (x, y) = make_model(), data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        ModelCheckpoint(str(tmp_path / "b{batch}.weights.h5"), save_freq=1,
+                        save_weights_only=True), Watch()])
+    # fit() returned: every file is there, complete
+    assert sorted(p.name for p in tmp_path.glob("*.h5")) == [f"b{i}.weights.h5" for i in range(1, 6)]
+    for p in tmp_path.glob("*.h5"):
+        verify_file(p)
+
+
+def test_integrity_record_catches_a_changed_file(tmp_path) -> None:
+    model, (x, y) = make_model(), data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[ModelCheckpoint(str(tmp_path / "m.keras"))])
+    record = verify_file(tmp_path / "m.keras")
+    assert record["epoch"] == 1 and record["batch"] is None and "loss" in record["logs"]
+    raw = bytearray((tmp_path / "m.keras").read_bytes())
+    raw[len(raw) // 2] ^= 1
+    (tmp_path / "m.keras").write_bytes(bytes(raw))
+    with pytest.raises(pitstop.CorruptCheckpointError, match="does not match its integrity"):
+        verify_file(tmp_path / "m.keras")
+    (tmp_path / "m.keras.pitstop").unlink()
+    with pytest.raises(pitstop.CheckpointNotFoundError, match="no integrity record"):
+        verify_file(tmp_path / "m.keras")
+
+
+def test_keep_last_keeps_the_newest_files(tmp_path) -> None:
+    model, (x, y) = make_model(), data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        ModelCheckpoint(str(tmp_path / "e{epoch}b{batch}.weights.h5"), save_freq=2,
+                        save_weights_only=True, keep_last=2)])
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["e2b3.weights.h5", "e2b3.weights.h5.pitstop",
+                     "e2b5.weights.h5", "e2b5.weights.h5.pitstop"]
+    with pytest.raises(ValueError, match="keep_last"):
+        ModelCheckpoint(str(tmp_path / "m.keras"), keep_last=0)
+
+
+def test_best_only_on_a_validation_metric_with_batch_saves(tmp_path) -> None:
+    """Keras's own callback saves at every batch save without judging (val_loss is not in
+    batch logs); pitstop's warns once and judges val_loss when it is fresh, at epoch ends."""
+    model, (x, y) = make_model(), data()
+    path = tmp_path / "best.weights.h5"
+    cb = ModelCheckpoint(str(path), save_best_only=True, save_freq=2, save_weights_only=True)
+    seen = []
+
+    class Epochs(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(logs["val_loss"])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=4, verbose=0, validation_data=(x[:8], y[:8]),
+                  callbacks=[cb, Epochs()])
+    ours = [w for w in caught if "is computed only at the end of an epoch" in str(w.message)]
+    assert len(ours) == 1
+    assert not [w for w in caught if "Can save best model only" in str(w.message)]
+    assert cb.best == min(seen)
+    assert verify_file(path)["logs"]["val_loss"] == pytest.approx(min(seen))
+
+
+def test_a_failed_write_is_an_error_fit_raises_and_earlier_files_stay(tmp_path,
+                                                                      monkeypatch) -> None:
+    model, (x, y) = make_model(), data()
+    real = files._write_tmp
+    calls = []
+
+    def full_disk(snap, tmp):
+        calls.append(tmp)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(snap, tmp)
+
+    monkeypatch.setattr(files, "_write_tmp", full_disk)
+    with pytest.raises(pitstop.CheckpointWriteError, match="No space left on device.*intact"):
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+            ModelCheckpoint(str(tmp_path / "m{epoch}.keras"))])
+    assert sorted(os.listdir(tmp_path)) == ["m1.keras", "m1.keras.pitstop"]
+    verify_file(tmp_path / "m1.keras")
+
+
+def test_a_directory_as_filepath_is_refused_as_keras_refuses_it(tmp_path) -> None:
+    (tmp_path / "m.keras").mkdir()
+    model, (x, y) = make_model(), data()
+    with pytest.raises(OSError, match="non-directory filepath"):
+        model.fit(x, y, epochs=1, verbose=0,
+                  callbacks=[ModelCheckpoint(str(tmp_path / "m.keras"))])
+
+
+def test_sigkill_while_writing_leaves_whole_files_only(tmp_path) -> None:
+    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("save_child.py")),
+                              str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=dict(os.environ, KERAS_BACKEND=BACKEND))
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(tmp_path.glob("*.pitstop"))) < 2:
+            assert child.poll() is None, child.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no file written in 180 s"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    final = sorted(tmp_path.glob("m-*.keras"))
+    assert final
+    for p in final:  # each file under its final name is whole: Keras opens it
+        assert zipfile.ZipFile(p).testzip() is None
+        if (tmp_path / (p.name + ".pitstop")).exists():
+            verify_file(p)
+    keras.models.load_model(final[-1])
+    # a writer killed mid-file leaves a hidden temporary: the next run removes it
+    stale = tmp_path / f".m-1-9.keras.{child.pid}-0.pitstop-tmp.keras"
+    stale.write_bytes(b"partial")
+    cb = ModelCheckpoint(str(tmp_path / "m-{epoch}-{batch}.keras"))
+    cb.set_model(make_model())
+    cb.on_train_begin()
+    assert not list(tmp_path.glob(".*pitstop-tmp*"))
