@@ -230,9 +230,27 @@ class RestorePlan:
         r.unexpected_keys = sorted(k for k in ck.keys if k not in target.set and k not in covered)
         self._decode_values()
         if self.strict and (r.missing_keys or r.unexpected_keys or r.mismatched_keys):
+            why = self._adapters_explain([*r.missing_keys, *r.unexpected_keys,
+                                          *r.mismatched_keys])
+            head, _, rest = describe_mismatch(self.where, r, target, ck).partition("\n")
             raise IncompatibleTargetError(
-                describe_mismatch(self.where, r, target, ck), missing=r.missing_keys,
+                "\n  ".join([head, *why]) + "\n" + rest, missing=r.missing_keys,
                 unexpected=r.unexpected_keys, mismatched=r.mismatched_keys)
+
+    def _adapters_explain(self, keys: list[str]) -> list[str]:
+        """What the adapters of the objects whose keys differ say about it (``check``): an
+        adapter knows why (an optimizer not built yet), the key lists only show that."""
+        out = []
+        for path, node in self.flat.adapters:
+            check = getattr(node.adapter, "check", None)
+            if check is None or not self.ck.under(path) \
+                    or not any(_is_under(k, path) for k in keys):
+                continue
+            try:
+                check(node.obj, self.subtree(path, _spec))
+            except Exception as e:  # noqa: BLE001 - an adapter's refusal, whatever it raised
+                out.append(f"{_q(_root_key(path))} ({type(node.obj).__name__}): {e}")
+        return out
 
     def _replaceable(self) -> dict[str, tuple[Any, Any]]:
         """Entries adapters let differ from the checkpoint (e.g. a module's extra state, an

@@ -90,7 +90,7 @@ def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
     matched = {id(o) for o in r.outcome.live()}
     objects, _edges, paths = _graph.walk(obj)
     unset = ["/".join(_graph.key_components(p)) for o, p in zip(objects, paths, strict=True)
-             if id(o) not in matched and not any(c.startswith(_graph.EXTRA) for c in p)
+             if id(o) not in matched and not any(_graph.is_extra(c) for c in p)
              and (base_variable(o) is not None or (_graph.is_trackable(o) and _graph.serializes(o)))]
     if not unset:
         return

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import weakref
 from collections import deque
@@ -58,6 +59,16 @@ GRAPH = ".OBJECT_GRAPH"
 #: local names of the children pitstop adds to TensorFlow's graph start so (no Python
 #: attribute can): Keras layers' seed generators, which tf.train does not save
 EXTRA = ".seed_generator_"
+#: Keras 3 sublayers and variables TensorFlow's graph does not reach (a layer kept in a
+#: list attribute of a subclassed model: Keras tracks it, tf.train does not)
+EXTRA_LAYER = ".keras_layer_"
+EXTRA_VARIABLE = ".keras_variable_"
+EXTRAS = (EXTRA, EXTRA_LAYER, EXTRA_VARIABLE)
+
+
+def is_extra(name: str) -> bool:
+    """Whether a local name is one pitstop adds to TensorFlow's graph (see EXTRAS)."""
+    return name.startswith(EXTRAS)
 ATTRIBUTES = trackable_utils.OBJECT_ATTRIBUTES_NAME  # ".ATTRIBUTES"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
@@ -75,12 +86,50 @@ def serializes(obj: Any) -> bool:
     return bool(saveable_object_util.trackable_has_serialize_to_tensor(obj))
 
 
-def children(obj: Any) -> dict[str, Any]:
+def children(obj: Any, reached: set[int] | None = None) -> dict[str, Any]:
     """The checkpoint dependencies of ``obj``, by local name, as TensorFlow lists them, plus
-    the random state TensorFlow's graph leaves out (see :func:`_seed_generators`)."""
+    the random state TensorFlow's graph leaves out (see :func:`_seed_generators`) and the
+    Keras layers and variables it does not reach (:func:`_keras_untracked`; ``reached``:
+    ids of objects TensorFlow's graph reaches elsewhere, which are not added again)."""
+    out = _tf_children(obj)
+    out.update(_keras_untracked(obj, out, reached or set()))
+    return out
+
+
+def _tf_children(obj: Any) -> dict[str, Any]:
     out = dict(tf.train.TrackableView.children(obj)) if is_trackable(obj) else {}
     out.update(_seed_generators(obj, out))
     return out
+
+
+def _keras_untracked(obj: Any, known: dict[str, Any], reached: set[int]) -> dict[str, Any]:
+    """A Keras 3 layer's sublayers and variables that TensorFlow's graph does not list
+    (Keras tracks layers kept in a list or dict attribute; ``tf.train.Checkpoint`` saves
+    none of their non-trainable state, e.g. BatchNormalization's moving statistics, and
+    restores the trainable part only through an optimizer): added as ``.keras_layer_<i>``
+    and ``.keras_variable_<i>`` (their index in Keras's own lists), so nothing a Keras model
+    holds is left out of a save."""
+    keras = sys.modules.get("keras")
+    if keras is None or not isinstance(obj, keras.Layer):
+        return {}
+    layers = getattr(obj, "_layers", None)
+    if not isinstance(layers, list):
+        return {}
+    listed = {id(v) for v in known.values()} | reached
+    for v in known.values():  # a variable TensorFlow lists through its Keras wrapper
+        inner = base_variable(v)
+        if inner is not None:
+            listed.add(id(inner))
+    extra: dict[str, Any] = {}
+    for i, layer in enumerate(layers):
+        if id(layer) not in listed:
+            extra[f"{EXTRA_LAYER}{i}"] = layer
+    own = [*getattr(obj, "_trainable_variables", []), *getattr(obj, "_non_trainable_variables", [])]
+    for i, var in enumerate(own):
+        inner = base_variable(var)
+        if id(var) not in listed and (inner is None or id(inner) not in listed):
+            extra[f"{EXTRA_VARIABLE}{i}"] = var
+    return extra
 
 
 def _seed_generators(obj: Any, known: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +152,19 @@ def _seed_generators(obj: Any, known: dict[str, Any]) -> dict[str, Any]:
 
 def walk(root: Any) -> tuple[list[Any], list[list[tuple[str, int]]], list[tuple[str, ...]]]:
     """Breadth-first traversal as TensorFlow's: objects, each one's children as
-    ``(local name, node id)`` and each one's path (local names from the root)."""
+    ``(local name, node id)`` and each one's path (local names from the root). Keras layers
+    and variables TensorFlow's own graph does not reach are added after it (a second pass,
+    only when there are any), so every key TensorFlow writes stays as it writes it."""
+    first = _walk(root, _tf_children)
+    reached = {id(o) for o in first[0]}
+    for o in first[0]:
+        if _keras_untracked(o, {}, reached):
+            return _walk(root, lambda obj: children(obj, reached))
+    return first
+
+
+def _walk(root: Any, kids: Any) -> tuple[list[Any], list[list[tuple[str, int]]],
+                                         list[tuple[str, ...]]]:
     objects: list[Any] = [root]
     ids: dict[int, int] = {id(root): 0}
     paths: list[tuple[str, ...]] = [()]
@@ -112,7 +173,7 @@ def walk(root: Any) -> tuple[list[Any], list[list[tuple[str, int]]], list[tuple[
     while queue:
         n = queue.popleft()
         out: list[tuple[str, int]] = []
-        for name, child in children(objects[n]).items():
+        for name, child in kids(objects[n]).items():
             cid = ids.get(id(child))
             if cid is None:
                 cid = ids[id(child)] = len(objects)

@@ -157,7 +157,7 @@ class CheckpointLoadStatus:
         objects, _edges, paths = _graph.walk(self._root)
         out = []
         for obj, path in zip(objects, paths, strict=True):
-            if any(p.startswith(_graph.EXTRA) for p in path):
+            if any(_graph.is_extra(p) for p in path):
                 continue  # pitstop's own additions (Keras seed state): tf.train has no such
             if _graph.base_variable(obj) is not None or (
                     _graph.is_trackable(obj) and _graph.serializes(obj)):
