@@ -282,6 +282,10 @@ def test_public_names_are_documented() -> None:
     page = (DOCS / "tf.md").read_text()
     missing = [n for n in tf_all if n not in {"VariableLeaf"} and n not in page]
     assert not missing, f"docs/tf.md never mentions {missing}"
+    keras_all = _literal_all(ROOT / "pitstop" / "adapters" / "keras" / "__init__.py")
+    page = (DOCS / "keras.md").read_text()
+    missing = [n for n in keras_all if n not in {"KerasVariableLeaf"} and n not in page]
+    assert not missing, f"docs/keras.md never mentions {missing}"
 
 
 def _literal_all(path: Path) -> list[str]:

@@ -1,8 +1,8 @@
 """Keras 3 variables as pitstop leaves, on every backend (TensorFlow, JAX, PyTorch).
 
 A :class:`KerasVariableLeaf` reads a ``keras.Variable``'s value when the snapshot is taken and
-assigns it on restore, through the backend's own conversions, so the same checkpoint restores
-on any backend (a model trained with JAX resumes under PyTorch).
+assigns it on restore, through the backend's own tensors; what is stored is a plain array of
+the variable's dtype, whatever the backend.
 """
 
 from __future__ import annotations
