@@ -170,7 +170,7 @@ _TMP = re.compile(r"^\..+\.(\d+)-\d+\.pitstop-tmp")
 def remove_stale_temporaries(directory: str) -> list[str]:
     """Delete the temporary files of writers that died (SIGKILL mid-write) in ``directory``;
     a live process's files are left alone. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
