@@ -468,6 +468,11 @@ class CheckpointManager:
             self._engine.drain(timeout)
             self._engine.raise_pending()
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (also after a terminating signal's save)."""
+        return self._closed
+
     def close(self) -> None:
         """Wait for pending saves, release the directory and the memory tier.
 

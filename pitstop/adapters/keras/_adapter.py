@@ -96,7 +96,12 @@ def _check_one(var: Any, spec: Any, saved_path: str) -> None:
     if not isinstance(spec, ArraySpec):
         raise IncompatibleTargetError(f"the checkpoint holds no array for variable {saved_path}")
     if tuple(spec.shape) != leaf.shape or spec.dtype != leaf.dtype:
+        why = ("restore into the architecture it was saved with"
+               if tuple(spec.shape) != leaf.shape else
+               "the same variable has another dtype here: written under another Keras backend "
+               "(a seed generator's state is uint32 on JAX, int32 elsewhere) or another "
+               "dtype policy; restore under the backend and policy that saved it")
         raise IncompatibleTargetError(
             f"variable {var.path} is {leaf.dtype}{list(leaf.shape)} here but the checkpoint's "
-            f"{saved_path} is {spec.dtype}{list(spec.shape)}; restore into the architecture it "
-            "was saved with", mismatched=[str(var.path)])
+            f"{saved_path} is {spec.dtype}{list(spec.shape)}; {why}",
+            mismatched=[str(var.path)])

@@ -9,12 +9,16 @@ hashed, memory tier, saved on SIGTERM) and resumes mid-epoch exactly.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import errno
+import logging
 import os
 import shutil
+import sys
 import warnings
+import weakref
 from typing import Any
 
 import keras
@@ -29,8 +33,30 @@ from ._leaf import BACKEND, KerasVariableLeaf, _host, numpy_dtype
 _KerasModelCheckpoint: Any = keras.callbacks.ModelCheckpoint
 _KerasBackupAndRestore: Any = keras.callbacks.BackupAndRestore
 
+log = logging.getLogger("pitstop")
 #: saves whose file is still being written, at most, before the next one waits for the oldest
 _MAX_PENDING = 2
+
+
+def _report_at_exit(ref: weakref.ref[ModelCheckpoint]) -> None:
+    """At exit, a write that failed after fit() had ended by an exception (no on_train_end
+    raised it) is reported once, in the log."""
+    cb = ref()
+    if cb is None:
+        return
+    cb._finish_all()
+    if cb._failure is not None:
+        log.error("pitstop: %s", cb._failure)
+        cb._failure = None
+
+
+def _print(message: str) -> None:
+    try:
+        from keras.src.utils.io_utils import print_msg
+    except ImportError:  # pragma: no cover - another Keras layout
+        print(message)
+    else:
+        print_msg(message)
 
 
 def _scalars(logs: Any) -> dict[str, float]:
@@ -55,7 +81,9 @@ class ModelCheckpoint(_KerasModelCheckpoint):
     callback wrote. With ``save_best_only`` and a batch ``save_freq``, a ``val_`` metric
     (computed at epoch ends only) is judged when it is fresh, at the epoch's end, instead of
     saving unjudged at every batch save; one warning says so. ``fit()`` returns once every
-    file is written; a write that failed raises :class:`pitstop.CheckpointWriteError`.
+    file is written; a write that failed raises :class:`pitstop.CheckpointWriteError`. When
+    ``fit()`` ends by an exception, the files it asked for are still written (``wait()``
+    waits for them; a failure is raised there, or logged at exit).
     """
 
     def __init__(self, filepath: Any, monitor: str = "val_loss", verbose: int = 0,
@@ -77,6 +105,7 @@ class ModelCheckpoint(_KerasModelCheckpoint):
         self._written: list[str] = []
         self._failure: BaseException | None = None
         self._stale_warned = False
+        self._monitor_seen = False
 
     # ------------------------------------------------------------------ decisions
     def _judged_at_epoch_end(self) -> bool:
@@ -102,9 +131,15 @@ class ModelCheckpoint(_KerasModelCheckpoint):
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if self._judged_at_epoch_end() and self.monitor in (logs or {}):
-            self._save_model(epoch=epoch, batch=self._last_batch_seen, logs=logs,
-                             _fresh=True)
+        if not self._judged_at_epoch_end():
+            return
+        if self.monitor in (logs or {}):
+            self._monitor_seen = True
+        elif self._monitor_seen:
+            return  # no validation this epoch (validation_freq): nothing fresh to judge
+        # judged on the fresh value; a run with no validation at all saves as Keras's
+        # callback does (its warning says the metric is not available)
+        self._save_model(epoch=epoch, batch=self._last_batch_seen, logs=logs, _fresh=True)
 
     def _save_model(self, epoch: int, batch: int | None, logs: Any,
                     _fresh: bool = False) -> None:
@@ -125,8 +160,9 @@ class ModelCheckpoint(_KerasModelCheckpoint):
                 "best": None if self.best is None else float(self.best)}
         self._submit(snap, filepath, info)
         if self.verbose > 0:
-            keras.utils.io_utils.print_msg(
-                f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
+            # Keras's message, where Keras prints it (logs read the same); here it marks the
+            # snapshot: the file appears, whole, once written in the background
+            _print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
 
     # ------------------------------------------------------------------ background writes
     def _submit(self, snap: files.Snapshot, filepath: str, info: dict[str, Any]) -> None:
@@ -135,6 +171,7 @@ class ModelCheckpoint(_KerasModelCheckpoint):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="pitstop-keras-checkpoint")
+            atexit.register(_report_at_exit, weakref.ref(self))
         if snap.model is not None:
             # Keras saves the file itself (legacy .h5, or internals this pitstop does not
             # know): it reads the live model, so it runs here, before training goes on
@@ -214,7 +251,8 @@ class _FitState:
                       "optimizer": [str(v.path) for v in (opt.variables if opt else [])]},
             "progress": dict(o._progress()),
             "rng": RNG().state_dict(),
-            "rng_epoch_begin": o._rng_epoch,
+            # the generators as they were when the current data iterator was drawn
+            "rng_data": o._rng_data,
         }
 
     def load_state_dict(self, tree: dict[str, Any]) -> None:
@@ -244,6 +282,20 @@ def _global_seed_generator() -> Any:
     return global_state.get_global_attribute("global_seed_generator")
 
 
+def _epoch_iterator() -> Any:
+    """The ``EpochIterator`` of the ``fit()`` calling back (a local of Keras's trainer), or
+    None where Keras's internals differ: then the resume passes over the epoch's batches."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        it = frame.f_locals.get("epoch_iterator")
+        if frame.f_code.co_name == "fit" and it is not None \
+                and all(hasattr(it, a) for a in ("_steps_seen", "_current_iterator",
+                                                 "steps_per_epoch")):
+            return it
+        frame = frame.f_back
+    return None
+
+
 class BackupAndRestore(_KerasBackupAndRestore):
     """Keras's ``BackupAndRestore`` (same arguments and semantics) that resumes exactly.
 
@@ -271,7 +323,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._global = 0          # batches trained since the run began: the checkpoint step
         self._done_in_epoch = 0   # batches of the current epoch trained
         self._epoch_complete = False
-        self._rng_epoch: Any = None
+        self._rng_data: Any = None
+        self._it: Any = None      # fit()'s EpochIterator, where it can be found
         self._last_logs: dict[str, float] = {}
         self._resume: dict[str, Any] | None = None
         self._skip_until = 0
@@ -280,20 +333,29 @@ class BackupAndRestore(_KerasBackupAndRestore):
 
     # ------------------------------------------------------------------ bookkeeping
     def _progress(self) -> dict[str, Any]:
-        if self._epoch_complete:
-            return {"epoch": self._current_epoch, "batch": 0, "global": self._global,
-                    "logs": self._last_logs}
-        return {"epoch": self._current_epoch, "batch": self._done_in_epoch,
-                "global": self._global, "logs": self._last_logs}
+        return {"epoch": self._current_epoch,
+                "batch": 0 if self._epoch_complete else self._done_in_epoch,
+                "position": self._position(), "global": self._global,
+                "logs": self._last_logs}
+
+    def _position(self) -> int:
+        """Batches read from the current data iterator: this epoch's, or, where the iterator
+        goes on across epochs (``steps_per_epoch`` on a stream), every one since it began."""
+        it = self._it
+        if it is None:
+            return 0 if self._epoch_complete else self._done_in_epoch
+        seen = int(getattr(it, "_steps_seen", 0) or 0)
+        total = getattr(it, "_num_batches", None)
+        return min(seen, int(total)) if total else seen
 
     def _manager(self) -> Any:
+        if self._mgr is not None and self._mgr.closed:
+            self._mgr = None  # closed by a signal's save (Ctrl+C) in an earlier fit()
         if self._mgr is None:
             from ...core.manager import CheckpointManager
 
-            every = self.save_freq if self.save_freq != "epoch" and self.save_freq else None
-            opts: dict[str, Any] = {
-                "keep_last": 2 if self.double_checkpoint else 1,
-                "save_every_steps": max(int(every), 1) if every else None, "on_busy": "wait"}
+            opts: dict[str, Any] = {"keep_last": 2 if self.double_checkpoint else 1,
+                                    "on_busy": "wait"}
             opts.update(self.manager_options)
             self._mgr = CheckpointManager(self.backup_dir, **opts)
         return self._mgr
@@ -306,8 +368,10 @@ class BackupAndRestore(_KerasBackupAndRestore):
                 "To use the BackupAndRestore callback, you model must be built before you call "
                 f"`fit()`. Model {model} is unbuilt. You can build it beforehand by calling it "
                 "on a batch of data.")
+        self._it = _epoch_iterator()
         self._global, self._done_in_epoch, self._resume = 0, 0, None
         self._current_epoch, self._last_batch_seen = 0, 0
+        self._batches_seen_since_last_saving = 0
         self._epoch_complete = False
         mgr = self._manager()
         if mgr.latest_step() is None:
@@ -332,7 +396,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         model._initial_epoch = p["epoch"] if p["epoch"] else None
         self._current_epoch = p["epoch"]
         self._global = p["global"]
-        if not p["batch"]:
+        if not p["batch"] and not p["position"]:
             RNG().load_state_dict(p["rng"])  # the run goes on from an epoch boundary
             self._resume = None
 
@@ -354,28 +418,32 @@ class BackupAndRestore(_KerasBackupAndRestore):
 
     def _loaded(self, tree: dict[str, Any]) -> None:
         p = dict(tree["progress"])
-        p["rng"], p["rng_epoch_begin"] = tree["rng"], tree["rng_epoch_begin"]
+        p["rng"], p["rng_data"] = tree["rng"], tree["rng_data"]
         p["metrics"] = list(tree["metrics"])  # given back when the resumed epoch begins
         self._resume = p
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._current_epoch = epoch
         self._done_in_epoch, self._epoch_complete, self._skip_until = 0, False, 0
-        p = self._resume
-        if p is not None and epoch == p["epoch"] and p["batch"]:
-            self._resume = None
-            # the epoch's shuffle is drawn after this callback: draw it as the first run did
-            RNG().load_state_dict(p["rng_epoch_begin"])
-            self._rng_epoch = p["rng_epoch_begin"]
-            self._metrics_pending = p["metrics"]
-            if len(self.model.metrics_variables) == len(p["metrics"]):
+        p, self._resume = self._resume, None
+        if p is not None and epoch == p["epoch"] and (p["batch"] or p["position"]):
+            # this process's data iterator is drawn after this callback: draw its shuffle as
+            # the first run's was drawn, then pass over what that run had read from it
+            RNG().load_state_dict(p["rng_data"])
+            self._rng_data = p["rng_data"]
+            batch = int(p["batch"])
+            self._metrics_pending = p["metrics"] if batch else None
+            if self._metrics_pending is not None \
+                    and len(self.model.metrics_variables) == len(p["metrics"]):
                 self._assign_metrics()
             self._last_logs = dict(p["logs"])
-            self._done_in_epoch = self._skip_until = int(p["batch"])
-            self._pass_over(int(p["batch"]), p["rng"])
+            self._done_in_epoch = self._skip_until = batch
+            self._last_batch_seen = batch - 1
+            self._pass_over(batch, max(int(p["position"]) - batch, 0), p["rng"])
             return
-        self._resume = None
-        self._rng_epoch = RNG().state_dict()
+        it = self._it
+        if it is None or it._current_iterator is None or it.steps_per_epoch is None:
+            self._rng_data = RNG().state_dict()  # a new data iterator is drawn this epoch
 
     def _assign_metrics(self) -> None:
         saved, self._metrics_pending = self._metrics_pending or [], None
@@ -389,24 +457,31 @@ class BackupAndRestore(_KerasBackupAndRestore):
         for v, (_, dtype, value) in zip(mine, saved, strict=True):
             KerasVariableLeaf(v).assign(np.asarray(value, dtype=numpy_dtype(dtype)))
 
-    def _pass_over(self, batches: int, rng_after: Any) -> None:
+    def _pass_over(self, batches: int, extra: int, rng_after: Any) -> None:
         """Make the epoch's first ``batches`` train steps consume their data and train
-        nothing: they were trained before the interruption."""
+        nothing (they were trained before the interruption), after ``extra`` batches the
+        data iterator gave in earlier epochs (a stream read across epochs)."""
         model = self.model
         real = self._real_train_function = model.train_function
         per_call = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
         left = [batches]
+        pending = [extra]
         logs = dict(self._last_logs)
+        it = self._it
 
-        def done() -> None:
-            left[0] -= per_call
-            if left[0] <= 0:
-                model.train_function = real
-                self._real_train_function = None
-                RNG().load_state_dict(rng_after)
+        def advance(iterator: Any, n: int) -> None:
+            for _ in range(n):
+                next(iterator)
+            if it is not None:
+                it._steps_seen += n
+
+        def finish() -> None:
+            model.train_function = real
+            self._real_train_function = None
+            RNG().load_state_dict(rng_after)
 
         def consume(iterator: Any) -> None:
-            for _ in range(per_call):
+            for _ in range(min(per_call, left[0])):
                 data = next(iterator)
                 if self._metrics_pending is not None:
                     # TensorFlow builds compiled metrics when it first traces a step: build
@@ -414,19 +489,49 @@ class BackupAndRestore(_KerasBackupAndRestore):
                     model._symbolic_build(data_batch=data)
                     self._assign_metrics()
 
+        def step(iterator: Any, train: Any) -> Any:
+            """One call of the train function: passes over, or trains once all is passed."""
+            try:
+                if pending[0]:
+                    n, pending[0] = pending[0], 0
+                    advance(iterator, n)
+                if left[0] <= 0:
+                    finish()
+                    return train()
+                consume(iterator)
+            except BaseException:
+                finish()  # the data ran out (the epoch ends): the next epoch trains
+                raise
+            left[0] -= per_call
+            if left[0] <= 0:
+                finish()
+            return None
+
         if BACKEND == "jax":  # the train function pulls its batches from the iterator
             def skip(state: Any, iterator: Any) -> Any:
-                consume(iterator)
-                done()
-                return logs, state
+                out = step(iterator, lambda: real(state, iterator))
+                return (logs, state) if out is None else out
         elif BACKEND == "tensorflow":
             def skip(iterator: Any) -> Any:  # type: ignore[misc]
-                consume(iterator)
-                done()
-                return logs
-        else:
+                out = step(iterator, lambda: real(iterator))
+                return logs if out is None else out
+        else:  # torch: the step's batches were read before the call
             def skip(data: Any) -> Any:  # type: ignore[misc]
-                done()
+                source = it._current_iterator if it is not None else None
+                if pending[0] and source is not None:
+                    n, pending[0] = pending[0], 0
+                    if left[0] > 0:
+                        advance(source, n)  # this step's own batches are passed over too
+                    else:  # this step trains: on the batches after the ones passed over
+                        advance(source, n - len(data))
+                        data = [next(source) for _ in data]
+                        it._steps_seen += len(data)
+                if left[0] <= 0:
+                    finish()
+                    return real(data)
+                left[0] -= per_call
+                if left[0] <= 0:
+                    finish()
                 return logs
         model.train_function = skip
 
@@ -434,11 +539,19 @@ class BackupAndRestore(_KerasBackupAndRestore):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if batch < self._skip_until:
             return  # a batch passed over on resume
-        self._last_batch_seen = batch
-        self._global += batch + 1 - self._done_in_epoch
-        self._done_in_epoch = batch + 1
+        steps = (self.params or {}).get("steps")
+        done = min(batch + 1, int(steps)) if steps else batch + 1  # a last, partial execution
+        self._global += done - self._done_in_epoch
+        self._done_in_epoch = done
         self._last_logs = _scalars(logs)
-        self._manager().step(self._global, self._state)
+        # Keras's own count of the batches since the last backup (steps_per_execution too)
+        due = self.save_freq is not False and self._should_save_on_batch(batch)
+        self._last_batch_seen = batch
+        mgr = self._manager()
+        if due and self._global not in mgr.all_steps():
+            mgr.save(self._global, self._state)
+        else:
+            mgr.step(self._global, self._state)  # a SIGTERM / SIGINT saves here
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._current_epoch = epoch + 1
@@ -465,4 +578,3 @@ class BackupAndRestore(_KerasBackupAndRestore):
         """Wait until the backups requested so far are committed."""
         if self._mgr is not None:
             self._mgr.wait()
-

@@ -255,13 +255,32 @@ def verify_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Check a file pitstop's ``ModelCheckpoint`` wrote against its integrity record.
 
     Returns the record (size, hash, epoch, batch, logs); raises
-    :class:`pitstop.CorruptCheckpointError` when the bytes differ from what was written, and
-    :class:`pitstop.CheckpointNotFoundError` when the file or its record is missing.
+    :class:`pitstop.CorruptCheckpointError` when the bytes differ from what was written (or
+    the record is damaged), and :class:`pitstop.CheckpointNotFoundError` when the file or
+    its record is missing. A file being replaced meanwhile (a best-only checkpoint saved
+    again) is read again, not reported as damaged.
     """
     path = os.fspath(path)
     record = path + RECORD_SUFFIX
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"{path}: no such file")
+    for _ in range(5):
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"{path}: no such file")
+        body = _read_record(path, record)
+        size, digest = _hash_with(path, record, body)
+        if _read_record(path, record) != body:
+            continue  # replaced by a newer save while it was read: check the new one
+        if size != body["bytes"] or digest != body["hash"]["digest"]:
+            raise CorruptCheckpointError(
+                f"{path} does not match its integrity record ({size} bytes, record says "
+                f"{body['bytes']}; the hash differs): the file was changed or damaged after "
+                "it was written; use an earlier checkpoint", checkpoint=path, file=path)
+        return body
+    raise CorruptCheckpointError(
+        f"{path} kept changing while it was verified (saved again and again?); verify it "
+        "once training stopped writing it", checkpoint=path, file=path)
+
+
+def _read_record(path: str, record: str) -> dict[str, Any]:
     try:
         with open(record) as f:
             body = json.load(f)
@@ -273,22 +292,26 @@ def verify_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{record}: unreadable integrity record ({e})",
                                      file=record) from None
-    if not isinstance(body, dict) or body.get("format") != _RECORD_FORMAT:
-        raise CorruptCheckpointError(f"{record} is not a pitstop integrity record", file=record)
-    expect = body.get("hash") or {}
-    h = new_hasher(str(expect.get("algorithm", DEFAULT)))
+    h = body.get("hash") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or body.get("format") != _RECORD_FORMAT \
+            or not isinstance(h, dict) or not isinstance(h.get("digest"), str) \
+            or not isinstance(body.get("bytes"), int):
+        raise CorruptCheckpointError(f"{record} is not a valid pitstop integrity record",
+                                     file=record)
+    return body
+
+
+def _hash_with(path: str, record: str, body: dict[str, Any]) -> tuple[int, str]:
+    try:
+        h = new_hasher(str(body["hash"].get("algorithm", DEFAULT)))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{record}: {e}", file=record) from None
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             size += len(chunk)
-    if size != body.get("bytes") or h.hexdigest() != expect.get("digest"):
-        raise CorruptCheckpointError(
-            f"{path} does not match its integrity record ({size} bytes, record says "
-            f"{body.get('bytes')}; hash {'differs' if size == body.get('bytes') else 'unchecked'}"
-            "): the file was changed or damaged after it was written; use an earlier "
-            "checkpoint", checkpoint=path, file=path)
-    return body
+    return size, str(h.hexdigest())
 
 
 def remove(filepath: str) -> None:

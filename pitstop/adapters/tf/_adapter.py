@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -70,11 +71,37 @@ class TrackableAdapter:
 
     def check(self, obj: Any, tree: Any) -> None:
         _graph.Restore(tree).check(obj)
+        _refuse_keras_without_match(obj, tree)
 
     def apply(self, obj: Any, tree: Any) -> None:
         r = _graph.Restore(tree)
         _graph.restore_into(obj, tree, restore=r)
         _warn_unmatched(obj, r)
+
+
+def _refuse_keras_without_match(obj: Any, tree: Any) -> None:
+    """A built Keras model none of whose variables would get a value from a checkpoint that
+    holds values for it was saved from another architecture (a Sequential restored into a
+    Functional model): refused, not resumed from its initial weights. (Some unmatched
+    attributes are warned about after the restore, as tf.train would leave them.)"""
+    keras = sys.modules.get("keras")
+    if keras is None or not isinstance(obj, keras.Layer):
+        return
+    mine = {id(base_variable(v)) for v in obj.variables}
+    if not mine:
+        return  # not built yet: its variables take their values when created (deferred)
+    r = _graph.Restore(tree)
+    saved = [s for s, (_c, attrs) in enumerate(r.graph) if attrs]
+    if not saved:
+        return
+    matched = {id(base_variable(o)) for o, _ in r.pairs(obj, defer=False)
+               if base_variable(o) is not None}
+    if not mine & matched:
+        raise IncompatibleTargetError(
+            f"none of this {type(obj).__name__}'s {len(mine)} variables has a value in the "
+            f"checkpoint's object ({len(saved)} saved values: {r.label(saved[0])}, ...): it was "
+            "saved from another architecture or model class (TensorFlow matches by attribute "
+            "names). Restore into the model it was saved from.")
 
 
 def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
