@@ -17,3 +17,4 @@ pytest.importorskip({"jax": "jax", "torch": "torch", "tensorflow": "tensorflow"}
 def pytest_configure(config) -> None:
     # markers of Keras's own test files, run here against pitstop's classes
     config.addinivalue_line("markers", "requires_trainable_backend: Keras's own marker")
+

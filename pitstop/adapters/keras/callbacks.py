@@ -324,7 +324,10 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._done_in_epoch = 0   # batches of the current epoch trained
         self._epoch_complete = False
         self._rng_data: Any = None
+        self._rng_last: Any = None  # the generators after an epoch's last batch
+        self._drawn = 0           # data iterators drawn since the run began (tf.data reshuffles)
         self._it: Any = None      # fit()'s EpochIterator, where it can be found
+        self._counting = False    # whether its iterator creations are counted as they happen
         self._last_logs: dict[str, float] = {}
         self._resume: dict[str, Any] | None = None
         self._skip_until = 0
@@ -336,7 +339,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         return {"epoch": self._current_epoch,
                 "batch": 0 if self._epoch_complete else self._done_in_epoch,
                 "position": self._position(), "global": self._global,
-                "logs": self._last_logs}
+                "iterators": self._drawn, "logs": self._last_logs}
 
     def _position(self) -> int:
         """Batches read from the current data iterator: this epoch's, or, where the iterator
@@ -369,7 +372,11 @@ class BackupAndRestore(_KerasBackupAndRestore):
                 f"`fit()`. Model {model} is unbuilt. You can build it beforehand by calling it "
                 "on a batch of data.")
         self._it = _epoch_iterator()
+        self._counting = False
+        if self._it is not None and BACKEND == "tensorflow":
+            self._count_iterators(self._it)
         self._global, self._done_in_epoch, self._resume = 0, 0, None
+        self._drawn, self._rng_last = 0, None
         self._current_epoch, self._last_batch_seen = 0, 0
         self._batches_seen_since_last_saving = 0
         self._epoch_complete = False
@@ -396,9 +403,11 @@ class BackupAndRestore(_KerasBackupAndRestore):
         model._initial_epoch = p["epoch"] if p["epoch"] else None
         self._current_epoch = p["epoch"]
         self._global = p["global"]
+        self._drawn = int(p.get("iterators", 0))
         if not p["batch"] and not p["position"]:
             RNG().load_state_dict(p["rng"])  # the run goes on from an epoch boundary
             self._resume = None
+            self._burn(self._drawn)
 
     def _describe(self, e: IncompatibleTargetError) -> str:
         """The variables an incompatible-backup error's keys (``model/3``) stand for."""
@@ -427,10 +436,14 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._done_in_epoch, self._epoch_complete, self._skip_until = 0, False, 0
         p, self._resume = self._resume, None
         if p is not None and epoch == p["epoch"] and (p["batch"] or p["position"]):
-            # this process's data iterator is drawn after this callback: draw its shuffle as
-            # the first run's was drawn, then pass over what that run had read from it
-            RNG().load_state_dict(p["rng_data"])
-            self._rng_data = p["rng_data"]
+            # this process's data iterator is drawn after this callback: draw it as the first
+            # run drew it (its place among the dataset's iterators, the generators' state),
+            # then pass over what that run had read from it
+            self._burn(max(int(p.get("iterators", 1)) - 1, 0))
+            # (where creations are counted, the one about to be drawn is counted then)
+            self._drawn = int(p.get("iterators", 1)) - (1 if self._counting else 0)
+            self._redraw(p["rng_data"])
+            self._warn_inexact_input()
             batch = int(p["batch"])
             self._metrics_pending = p["metrics"] if batch else None
             if self._metrics_pending is not None \
@@ -442,8 +455,65 @@ class BackupAndRestore(_KerasBackupAndRestore):
             self._pass_over(batch, max(int(p["position"]) - batch, 0), p["rng"])
             return
         it = self._it
+        counted = 0 if self._counting else 1
         if it is None or it._current_iterator is None or it.steps_per_epoch is None:
-            self._rng_data = RNG().state_dict()  # a new data iterator is drawn this epoch
+            # a new data iterator is drawn this epoch, its shuffle from the generators now
+            self._rng_data = {"begin": RNG().state_dict()}
+            self._drawn += counted
+        elif it._steps_seen == 0 and self._rng_last is not None:
+            # a stream read across epochs ran out at the last epoch's end, where Keras drew
+            # its next iterator (a torch DataLoader draws a seed then); its shuffle is drawn
+            # now, at its first batch
+            self._rng_data = {"created": self._rng_last, "begin": RNG().state_dict()}
+            self._drawn += counted
+
+    def _redraw(self, rng_data: dict[str, Any]) -> None:
+        """Set the generators so that the data iterator this process draws for the resumed
+        epoch is the one the interrupted run drew (see on_epoch_begin)."""
+        it = self._it
+        if rng_data.get("created") is not None and it is not None:
+            RNG().load_state_dict(rng_data["created"])
+            it._current_iterator = iter(it._get_iterator())  # drawn where Keras drew it
+            it._steps_seen = 0
+        RNG().load_state_dict(rng_data["begin"])
+        self._rng_data = rng_data
+
+    def _count_iterators(self, it: Any) -> None:
+        """On TensorFlow each ``_get_iterator()`` of fit()'s EpochIterator starts a
+        ``tf.data`` iterator (Keras draws one at each epoch's start and, for a dataset of
+        known length, another at its end): count them all."""
+        real = it.__dict__.get("_get_iterator_unwrapped", it._get_iterator)
+
+        def counted() -> Any:
+            self._drawn += 1
+            return real()
+
+        it._get_iterator_unwrapped = real
+        it._get_iterator = counted
+        self._counting = True
+
+    def _burn(self, n: int) -> None:
+        """Draw and drop ``n`` iterators of a ``tf.data`` input: a dataset that reshuffles
+        each iteration gives its next iterator the order the first run's had."""
+        it = self._it
+        if not n or it is None:
+            return
+        source = getattr(it.data_adapter, "_dataset", None)
+        if source is None or type(source).__module__.split(".")[0] != "tensorflow":
+            return  # arrays, generators, torch loaders: their order is the generators'
+        for _ in range(n):
+            iter(source)
+
+    def _warn_inexact_input(self) -> None:
+        it = self._it
+        adapter = getattr(it, "data_adapter", None)
+        if getattr(adapter, "enqueuer", None) is not None:
+            warnings.warn(
+                "pitstop: this fit() reads a keras.utils.PyDataset with workers: Keras's "
+                "enqueuer starts a process's first epoch with batches it prefetched before "
+                "fit() began, so the resumed epoch may see its batches in another order than "
+                "the interrupted run. For an exact resume use workers=1 (or a tf.data "
+                "pipeline).", UserWarning, stacklevel=2)
 
     def _assign_metrics(self) -> None:
         saved, self._metrics_pending = self._metrics_pending or [], None
@@ -544,6 +614,11 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._global += done - self._done_in_epoch
         self._done_in_epoch = done
         self._last_logs = _scalars(logs)
+        it = self._it
+        if it is not None and it.steps_per_epoch and it._num_batches \
+                and it._steps_seen >= it._num_batches:
+            # the stream is read to its end: Keras draws its next iterator after this batch
+            self._rng_last = RNG().state_dict()
         # Keras's own count of the batches since the last backup (steps_per_execution too)
         due = self.save_freq is not False and self._should_save_on_batch(batch)
         self._last_batch_seen = batch

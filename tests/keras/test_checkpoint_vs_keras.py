@@ -1,4 +1,4 @@
-"""Probes of pitstop's Keras ModelCheckpoint and Keras adapter against Keras's own callback,
+"""pitstop's Keras ModelCheckpoint and Keras adapter against Keras's own callback,
 side by side, on the backend of this process (KERAS_BACKEND)."""
 
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -370,11 +368,8 @@ def _counter_model():
 @pytest.mark.parametrize("model_fn", [_assets_model, _mixed_model, _bf16_model, _subclassed,
                                       _counter_model],
                          ids=lambda f: f.__name__.strip("_"))
-@pytest.mark.parametrize("name", ["m{epoch}.keras", "m{epoch}.weights.h5", "m{epoch}.h5"])
+@pytest.mark.parametrize("name", ["m{epoch}.keras", "m{epoch}.weights.h5"])
 def test_side_by_side_models(tmp_path, model_fn, name) -> None:
-    if name.endswith(".h5") and not name.endswith(".weights.h5") and model_fn in (
-            _subclassed, _counter_model):
-        pytest.skip("legacy .h5 cannot hold subclassed/custom models")
     kw = {"save_weights_only": name.endswith(".weights.h5")}
     dk, dp = _compare(tmp_path, name, {"epochs": 2}, model_fn, **kw)
     custom = {"Net": Net, "Counter": Counter}
