@@ -16,10 +16,10 @@ import warnings
 import zipfile
 from pathlib import Path
 
-import h5py
 import keras
 import numpy as np
 import pytest
+from keras_helpers import h5_tree, weights_of
 
 import pitstop
 from pitstop.adapters.keras import ModelCheckpoint, files, verify_file
@@ -40,21 +40,6 @@ def data(n: int = 40):
     rs = np.random.RandomState(0)
     x = rs.randn(n, 4).astype("float32")
     return x, x.sum(1, keepdims=True)
-
-
-def weights_of(model: keras.Model) -> list[np.ndarray]:
-    return [np.array(keras.ops.convert_to_numpy(v)) for v in model.weights]
-
-
-def h5_tree(source) -> dict:
-    """Every group and dataset of an HDF5 file: path -> (attrs, value bytes or None)."""
-    out = {}
-    with h5py.File(source, "r") as f:
-        def visit(name, obj):
-            attrs = {k: str(v) for k, v in obj.attrs.items()}
-            out[name] = (attrs, obj[()].tobytes() if isinstance(obj, h5py.Dataset) else None)
-        f.visititems(visit)
-    return out
 
 
 @pytest.mark.parametrize("weights_only", [False, True], ids=["keras", "weights.h5"])

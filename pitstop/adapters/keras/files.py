@@ -199,8 +199,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _hash_file(path: str) -> tuple[int, str]:
-    h = new_hasher(DEFAULT)
+def _hash_file(path: str, algorithm: str = DEFAULT) -> tuple[int, str]:
+    """Size and hex digest of a file, read in 4 MiB pieces."""
+    h = new_hasher(algorithm)
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -302,16 +303,12 @@ def _read_record(path: str, record: str) -> dict[str, Any]:
 
 
 def _hash_with(path: str, record: str, body: dict[str, Any]) -> tuple[int, str]:
+    algorithm = str(body["hash"].get("algorithm", DEFAULT))
     try:
-        h = new_hasher(str(body["hash"].get("algorithm", DEFAULT)))
+        new_hasher(algorithm)
     except ValueError as e:
         raise CorruptCheckpointError(f"{record}: {e}", file=record) from None
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return size, str(h.hexdigest())
+    return _hash_file(path, algorithm)
 
 
 def remove(filepath: str) -> None:
