@@ -15,7 +15,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from keras_helpers import h5_tree, weights_of
+from keras_helpers import h5_tree, on_backends, weights_of
 
 import pitstop
 from pitstop.adapters.keras import ModelCheckpoint, files, verify_file
@@ -232,6 +232,7 @@ def _content(path: Path):
 VAL = {"validation_data": (data(8)[0], data(8)[1])}
 
 
+@on_backends("tensorflow", "torch")
 @pytest.mark.parametrize("case", [
     dict(name="m.keras", verbose=1),
     dict(name="w{epoch}.weights.h5", verbose=1, save_weights_only=True, save_freq=3),
@@ -351,6 +352,7 @@ def _counter_model():
     return model
 
 
+@on_backends("tensorflow", "torch")
 @pytest.mark.parametrize("model_fn", [_assets_model, _mixed_model, _bf16_model, _subclassed,
                                       _counter_model],
                          ids=lambda f: f.__name__.strip("_"))
