@@ -156,6 +156,30 @@ def test_best_only_on_a_validation_metric_with_batch_saves(tmp_path) -> None:
     assert verify_file(path)["logs"]["val_loss"] == pytest.approx(min(seen))
 
 
+def test_best_only_on_loss_with_batch_saves_in_the_first_epoch(tmp_path) -> None:
+    """Keras's own callback sets its comparison at the first epoch end, so best-only batch
+    saves fail with a TypeError at the second save of the first epoch; pitstop's judges
+    them (the monitored training loss is in every batch's logs)."""
+    model, (x, y) = make_model(), data()
+    with pytest.raises(TypeError):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+            keras.callbacks.ModelCheckpoint(str(tmp_path / "k.weights.h5"), monitor="loss",
+                                            save_best_only=True, save_freq=2,
+                                            save_weights_only=True)])
+    cb = ModelCheckpoint(str(tmp_path / "p.weights.h5"), monitor="loss", save_best_only=True,
+                         save_freq=2, save_weights_only=True)
+    losses = []
+
+    class Loss(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(logs["loss"])
+
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb, Loss()])
+    judged = [losses[i] for i in range(1, len(losses), 2)]  # every second batch (save_freq=2)
+    assert cb.best == pytest.approx(min(judged))
+    assert verify_file(tmp_path / "p.weights.h5")["logs"]["loss"] == pytest.approx(cb.best)
+
+
 def test_a_failed_write_is_an_error_fit_raises_and_earlier_files_stay(tmp_path,
                                                                       monkeypatch) -> None:
     model, (x, y) = make_model(), data()

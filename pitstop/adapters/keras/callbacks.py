@@ -148,6 +148,10 @@ class ModelCheckpoint(_KerasModelCheckpoint):
                 and self.monitor not in logs:
             return  # judged at the epoch's end, on a fresh value (warned at train begin)
         self._raise_failure()
+        if self.save_best_only and self.monitor_op is None and self.monitor in logs:
+            # Keras sets the comparison at the first epoch end only, so its own callback
+            # fails (TypeError) at the second batch save of the first epoch
+            self._set_monitor_op()
         filepath = self._get_file_path(epoch, batch, logs)
         if not self._should_save_model(epoch, batch, logs, filepath):
             return
