@@ -332,7 +332,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._drawn = 0           # data iterators drawn since the run began (tf.data reshuffles)
         self._it: Any = None      # fit()'s EpochIterator, where it can be found
         self._counting = False    # whether its iterator creations are counted as they happen
-        self._last_logs: dict[str, float] = {}
+        #: the latest logs as fit() gave them (converted only when a backup is taken: a
+        #: conversion at every batch would wait for the device at every batch)
+        self._last_logs: Any = {}
         self._resume: dict[str, Any] | None = None
         self._skip_until = 0
         self._real_train_function: Any = None
@@ -343,7 +345,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         return {"epoch": self._current_epoch,
                 "batch": 0 if self._epoch_complete else self._done_in_epoch,
                 "position": self._position(), "global": self._global,
-                "iterators": self._drawn, "logs": self._last_logs}
+                "iterators": self._drawn, "logs": _scalars(self._last_logs)}
 
     def _position(self) -> int:
         """Batches read from the current data iterator: this epoch's, or, where the iterator
@@ -540,7 +542,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         per_call = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
         left = [batches]
         pending = [extra]
-        logs = dict(self._last_logs)
+        logs = _scalars(self._last_logs)
         it = self._it
 
         def advance(iterator: Any, n: int) -> None:
@@ -617,7 +619,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         done = min(batch + 1, int(steps)) if steps else batch + 1  # a last, partial execution
         self._global += done - self._done_in_epoch
         self._done_in_epoch = done
-        self._last_logs = _scalars(logs)
+        self._last_logs = logs or {}
         it = self._it
         if it is not None and it.steps_per_epoch and it._num_batches \
                 and it._steps_seen >= it._num_batches:
@@ -636,7 +638,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._current_epoch = epoch + 1
         self._last_batch_seen = 0
         self._epoch_complete = True
-        self._last_logs = _scalars(logs)
+        self._last_logs = logs or {}
         if self.save_freq == "epoch":
             mgr = self._manager()
             if self._global not in mgr.all_steps():
