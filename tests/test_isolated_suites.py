@@ -13,11 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: test folder -> the framework it needs; tests/conftest.py keeps these folders out of any
-#: other pytest process (TensorFlow and torch's triton cannot share one)
-ISOLATED = {"tf": "tensorflow", "keras": "keras"}
+#: other pytest process (TensorFlow and torch's triton cannot share one; JAX reads its
+#: device count from XLA_FLAGS once per process)
+ISOLATED = {"tf": "tensorflow", "keras": "keras", "jax": "jax"}
 #: (folder, environment) of each run: the Keras folder once per backend (Keras fixes its
 #: backend per process, from KERAS_BACKEND)
-RUNS = [("tf", {}), *(("keras", {"KERAS_BACKEND": b}) for b in ("jax", "torch", "tensorflow"))]
+RUNS = [("tf", {}), ("jax", {}),
+        *(("keras", {"KERAS_BACKEND": b}) for b in ("jax", "torch", "tensorflow"))]
 _BACKEND_MODULE = {"jax": "jax", "torch": "torch", "tensorflow": "tensorflow"}
 
 

@@ -35,6 +35,7 @@ up, so ``import pitstop`` imports no framework. Objects with ``state_dict()`` /
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -122,6 +123,11 @@ class StatefulAdapter:
 _generic: list[Adapter] = [StatefulAdapter()]
 
 
+#: frameworks whose objects may come from the user's own modules (a dataclass registered as
+#: a JAX pytree node): when one is imported, its adapter is asked about unknown objects too
+AMBIENT = ("jax",)
+
+
 def resolve(obj: Any) -> Adapter | None:
     """The adapter for ``obj``, or None when it is a plain value or array."""
     _load_for(obj)
@@ -131,6 +137,13 @@ def resolve(obj: Any) -> Adapter | None:
     for a in _generic:
         if a.can_handle(obj):
             return a
+    for root in AMBIENT:
+        target = LAZY[root]
+        if target not in _loaded and root in sys.modules:
+            _loaded.add(target)
+            module = importlib.import_module(target)
+            if getattr(module, "__file__", None) is not None:
+                return resolve(obj)
     root = type(obj).__module__.split(".")[0]
     if root in _not_built:
         from ..core.errors import UnsupportedStateError

@@ -541,9 +541,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "WHERE")]
         for key, e in m.arrays.items():
             dtype = e.dtype if isinstance(e.dtype, str) else _short(e.dtype, 40)
-            at = f"{e.file}@{e.offset}" + (
-                "" if e.codec == "none" else f" ({e.codec}, {human_size(e.length)})"
-            )
+            if e.shards is not None:
+                at = f"{len(e.shards)} shards, {', '.join(sorted({p.file for p in e.shards}))}"
+            else:
+                at = f"{e.file}@{e.offset}" + (
+                    "" if e.codec == "none" else f" ({e.codec}, {human_size(e.length)})"
+                )
             rows.append(
                 (
                     key,

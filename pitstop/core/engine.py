@@ -34,10 +34,10 @@ from . import codecs
 from .dtypes import encode_dtype, is_inexact
 from .errors import CheckpointError, CheckpointWriteError
 from .hashing import new_hasher
-from .manifest import ArrayEntry, Manifest
+from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces, piece_key
 from .snapshot import Layout, StagingBuffer, StagingPool
 from .storage import Storage
-from .tree import FlatState, NumpyLeaf
+from .tree import ArrayLeaf, FlatState, NumpyLeaf
 
 log = logging.getLogger("pitstop")
 
@@ -264,7 +264,7 @@ class Engine:
     def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
         """Copy every array of ``flat`` into a staging buffer; None when none is free and
         ``block`` is False. This is the whole stall of an asynchronous save."""
-        arrays = flat.arrays
+        arrays = flat.arrays if not flat.sharded else pieces_of(flat)
         sig = [(k, leaf.shape, leaf.dtype) for k, leaf in arrays.items()]
         if sig == self._last_sig and self._last_layout is not None:
             layout = self._last_layout  # same keys, shapes, dtypes: reuse, allocate nothing
@@ -536,6 +536,8 @@ class Engine:
                     manifest.files[fname] = length
                 manifest.arrays.update(entries)
             manifest.arrays = {k: manifest.arrays[k] for k in layout.keys}  # layout order
+            if any(SHARD_MARK in k for k in layout.keys):
+                manifest.arrays = group_pieces(manifest.arrays)
             hook = self.hooks.get("before_commit")
             if hook is not None:
                 hook(job.step)
@@ -648,6 +650,18 @@ class Engine:
 
 class _Skip(CheckpointError):
     """The save was deliberately not committed (non-finite guard)."""
+
+
+def pieces_of(flat: FlatState) -> dict[str, ArrayLeaf]:
+    """``flat.arrays`` with every sharded leaf replaced by its distinct shards (piece keys)."""
+    out: dict[str, ArrayLeaf] = {}
+    for key, leaf in flat.arrays.items():
+        if not leaf.sharded:
+            out[key] = leaf
+            continue
+        for index, piece in leaf.pieces():
+            out[piece_key(key, index)] = piece
+    return out
 
 
 def buffer_is_finite(buf: StagingBuffer) -> bool:

@@ -28,6 +28,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
 from . import memtier as memtier_mod
 from .arguments import (
     check_arguments,
@@ -341,6 +343,18 @@ class CheckpointManager:
         if step is not None and step in self._abandoned:
             # asked for by number: this run goes on from there after all
             self._abandoned, self._rolled_back_to = set(), None
+        restored, report, _flat = self._restore_into(state, step, strict, detached=False)
+        if restored is None:
+            return None
+        assert report is not None
+        self._restored(restored, explicit=step is not None)
+        return RestoredStep(restored, report)
+
+    def _restore_into(self, state: Any, step: int | None, strict: bool, *, detached: bool
+                      ) -> tuple[int | None, RestoreReport | None, FlatState]:
+        """The newest valid checkpoint (or ``step``) put into ``state``: from the memory tier
+        when its snapshot is the one asked for, else from disk. ``detached``: a state made
+        for ``load(target=...)``, whose root may be replaced (the new one: ``flat.root``)."""
         recovered = self._recovered_at(step)
         from_memory = recovered is not None
         engine = self._engine
@@ -350,6 +364,7 @@ class CheckpointManager:
         # allocates a few objects per array
         with _no_gc():
             flat = wrap_os(flatten, self.directory, state, self._resolve)
+            flat.detached = detached
             restored: int | None = None
             report: RestoreReport | None = None
             if from_memory:
@@ -361,11 +376,7 @@ class CheckpointManager:
                 if engine is not None and from_memory:
                     engine.drain()
                 restored, report = self._restore_from_disk(flat, step, strict)
-        if restored is None:
-            return None
-        assert report is not None
-        self._restored(restored, explicit=step is not None)
-        return RestoredStep(restored, report)
+        return restored, report, flat
 
     def rollback(self, state: Any) -> RestoredStep | None:
         """Restore the newest checkpoint whose arrays were all finite (non-finite guard)."""
@@ -382,10 +393,22 @@ class CheckpointManager:
             return None
         return self.restore(state, step=finite[-1])
 
-    def load(self, step: int | None = None) -> Any:
-        """A fresh nested dict of numpy arrays and values (no target needed)."""
+    def load(self, step: int | None = None, *, target: Any = None) -> Any:
+        """The newest valid checkpoint (or ``step``) as a new object.
+
+        Without ``target``: a fresh nested dict of numpy arrays and values. With ``target``
+        (a state of the saved structure, e.g. a JAX pytree or a tree of
+        ``jax.ShapeDtypeStruct``): a new object of that structure, each array made as the
+        target's says (type, device, sharding); ``target`` itself is left as it is, except
+        objects an adapter restores in place (a torch module)."""
         self._check_usable()
         step = None if step is None else step_arg(step)
+        if target is not None:
+            fresh = _skeleton(target)
+            restored, _report, flat = self._restore_into(fresh, step, True, detached=True)
+            if restored is None:
+                raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
+            return flat.root
         recovered = self._recovered_at(step)
         if recovered is not None and (step is not None or self.latest_step() == recovered.step):
             return recovered.reader.load()
@@ -830,6 +853,23 @@ class CheckpointManager:
         if self._abandoned and not hidden:
             steps = [s for s in steps if s not in self._abandoned]
         return steps
+
+
+def _skeleton(target: Any) -> Any:
+    """A copy of ``target``'s containers (dicts, lists, tuples) and numpy arrays, for
+    ``load(target=...)`` to fill without touching the target; other objects (framework
+    arrays, pytree nodes, shape specs) are shared: their adapters return new objects."""
+    if isinstance(target, np.ndarray):
+        return np.empty_like(target)
+    if type(target) is dict:
+        return {k: _skeleton(v) for k, v in target.items()}
+    if type(target) is list:
+        return [_skeleton(v) for v in target]
+    if type(target) is tuple:
+        return tuple(_skeleton(v) for v in target)
+    if isinstance(target, tuple) and callable(getattr(type(target), "_make", None)):
+        return type(target)._make(_skeleton(v) for v in target)  # a namedtuple
+    return target
 
 
 def _overwritten(errors: list[CorruptCheckpointError]) -> str:

@@ -20,7 +20,12 @@ from .tree import decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
+#: the version of a manifest that holds sharded arrays (readers before it refuse them)
+SHARDED_VERSION = "1.2"
 MAJOR = 1
+#: separates a key path from a shard's index in the engine's piece keys; ``~`` is always
+#: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
+SHARD_MARK = "~s"
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2})$")
 
@@ -39,13 +44,65 @@ class ArrayEntry:
     length: int
     hash: str
     codec: str = "none"
+    #: a shard: its ``[start, stop)`` per dimension inside the array it belongs to
+    index: list[list[int]] | None = None
+    #: a sharded array (``shape`` is the global one): its distinct shards, which cover it
+    #: exactly; the entry's own file, offset, length and hash are then unused
+    shards: list[ArrayEntry] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = {"dtype": self.dtype, "shape": self.shape, "file": self.file,
-             "offset": self.offset, "length": self.length, "hash": self.hash}
+        if self.shards is not None:
+            return {"dtype": self.dtype, "shape": self.shape,
+                    "shards": [s.to_json() for s in self.shards]}
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": self.shape, "file": self.file,
+                             "offset": self.offset, "length": self.length, "hash": self.hash}
+        if self.index is not None:
+            d = {"index": self.index, **d}
+            del d["shape"], d["dtype"]
         if self.codec != "none":
             d["codec"] = self.codec
         return d
+
+    @property
+    def start(self) -> tuple[str, int]:
+        """Where the bytes start (the first shard's, for a sharded array): reading arrays in
+        this order goes through each file front to back."""
+        first = self.shards[0] if self.shards else self
+        return first.file, first.offset
+
+    @property
+    def parts(self) -> list[ArrayEntry]:
+        """The stored pieces of this array: its shards, or itself."""
+        return self.shards if self.shards is not None else [self]
+
+
+def piece_key(key: str, index: tuple[tuple[int, int], ...]) -> str:
+    """The engine's key for one shard of the array ``key`` (see :data:`SHARD_MARK`)."""
+    return key + SHARD_MARK + ",".join(f"{a}:{b}" for a, b in index)
+
+
+def group_pieces(entries: dict[str, ArrayEntry]) -> dict[str, ArrayEntry]:
+    """Entries keyed by piece keys turned into one sharded entry per array (in first-piece
+    order); its global shape is where its shards end (they cover it)."""
+    out: dict[str, ArrayEntry] = {}
+    for k, e in entries.items():
+        base, mark, text = k.partition(SHARD_MARK)
+        if not mark:
+            out[k] = e
+            continue
+        index = [[int(a), int(b)] for a, b in (p.split(":") for p in text.split(","))] \
+            if text else []
+        shard = ArrayEntry(dtype=e.dtype, shape=[b - a for a, b in index], file=e.file,
+                           offset=e.offset, length=e.length, hash=e.hash, codec=e.codec,
+                           index=index)
+        whole = out.get(base)
+        if whole is None:
+            whole = out[base] = ArrayEntry(dtype=e.dtype, shape=[0] * len(index), file="",
+                                           offset=0, length=0, hash="", shards=[])
+        assert whole.shards is not None
+        whole.shards.append(shard)
+        whole.shape = [max(n, b) for n, (_a, b) in zip(whole.shape, index, strict=True)]
+    return out
 
 
 @dataclass
@@ -65,9 +122,10 @@ class Manifest:
     format_version: str = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
+        sharded = any(e.shards is not None for e in self.arrays.values())
         doc = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": SHARDED_VERSION if sharded else FORMAT_VERSION,
             "step": self.step,
             "created_unix": self.created_unix,
             "directory_id": self.directory_id,
@@ -88,6 +146,10 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(math.prod(e.shape) * decode_dtype(e.dtype).itemsize for e in self.arrays.values())
+
+    def stored(self) -> list[tuple[str, ArrayEntry]]:
+        """Every stored run of bytes as ``(key, entry)``: a sharded array's shards each."""
+        return [(k, p) for k, e in self.arrays.items() for p in e.parts]
 
 
 _HASH_KEY = b',"manifest_hash":"'
@@ -157,6 +219,79 @@ def parse(data: bytes, where: str) -> Manifest:
                                      checkpoint=where) from None
 
 
+def _shape(shape: Any, key: str) -> list[int]:
+    if not isinstance(shape, list) or not all(type(s) is int for s in shape):
+        raise ValueError(f"array {key!r}: shape {shape!r} is not a list of integers")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"array {key!r}: negative shape")
+    return list(shape)
+
+
+def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtype: Any,
+            shape: list[int]) -> ArrayEntry:
+    """One stored run of bytes: a whole array, or (with ``index``) one shard of ``shape``."""
+    index = None
+    if "index" in e:
+        index = e["index"]
+        if not isinstance(index, list) or len(index) != len(shape) or not all(
+                isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+                and 0 <= r[0] <= r[1] <= n for r, n in zip(index, shape, strict=False)):
+            raise CorruptCheckpointError(
+                f"{where}: array {key!r} has a shard index {str(index)[:100]} that does not lie "
+                f"inside its shape {shape}", checkpoint=where, key=key, file="manifest.json")
+        shape = [b - a for a, b in index]
+    entry = ArrayEntry(dtype=dtype, shape=shape, file=e["file"],
+                       offset=int(e["offset"]), length=int(e["length"]), hash=str(e["hash"]),
+                       codec=e.get("codec", "none"), index=index)
+    if not _CODEC.match(str(entry.codec)):
+        raise ValueError(f"array {key!r}: unknown codec {entry.codec!r}")
+    if entry.file not in files:
+        raise CorruptCheckpointError(
+            f"{where}: array {key!r} points to file {entry.file!r}, which the checkpoint "
+            "does not list", checkpoint=where, key=key, file=entry.file)
+    if entry.offset < 0 or entry.length < 0:
+        raise ValueError(f"array {key!r}: negative offset or length")
+    if entry.offset + entry.length > files[entry.file]:
+        raise CorruptCheckpointError(
+            f"{where}: array {key!r} ends past the end of {entry.file}",
+            checkpoint=where, key=key, file=entry.file)
+    dt = decode_dtype(entry.dtype)
+    if entry.codec == "none" and entry.length != math.prod(entry.shape) * dt.itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: array {key!r} has {entry.length} bytes, its shape and dtype need "
+            f"{math.prod(entry.shape) * dt.itemsize}", checkpoint=where, key=key)
+    return entry
+
+
+def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: str) -> None:
+    """The shards of a sharded array cover it exactly once: no gap, no overlap."""
+    total = 0
+    boxes = []
+    for s in shards:
+        assert s.index is not None
+        total += math.prod(s.shape)
+        if math.prod(s.shape):
+            boxes.append(s.index)
+    overlap = False
+    if len(boxes) <= 4096:
+        boxes.sort()
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if a and b[0][0] >= a[0][1]:
+                    break  # sorted by the first dimension's start: no later box overlaps a
+                if all(x[0] < y[1] and y[0] < x[1] for x, y in zip(a, b, strict=True)):
+                    overlap = True
+                    break
+            if overlap:
+                break
+    else:
+        overlap = True  # more shards than pitstop writes: refuse rather than check for long
+    if overlap or total != math.prod(shape):
+        raise CorruptCheckpointError(
+            f"{where}: the shards of array {key!r} do not cover its shape {shape} exactly "
+            f"once ({len(shards)} shards)", checkpoint=where, key=key, file="manifest.json")
+
+
 def _validate(doc: dict[str, Any], where: str) -> Manifest:
     files: dict[str, int] = {}
     for name, info in doc["files"].items():
@@ -170,30 +305,16 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         files[name] = length
     arrays: dict[str, ArrayEntry] = {}
     for key, e in doc["arrays"].items():
-        if not isinstance(e["shape"], list) or not all(
-                type(s) is int for s in e["shape"]):
-            raise ValueError(f"array {key!r}: shape {e['shape']!r} is not a list of integers")
-        entry = ArrayEntry(dtype=e["dtype"], shape=list(e["shape"]), file=e["file"],
-                           offset=int(e["offset"]), length=int(e["length"]), hash=str(e["hash"]),
-                           codec=e.get("codec", "none"))
-        if not _CODEC.match(str(entry.codec)):
-            raise ValueError(f"array {key!r}: unknown codec {entry.codec!r}")
-        if entry.file not in files:
-            raise CorruptCheckpointError(
-                f"{where}: array {key!r} points to file {entry.file!r}, which the checkpoint "
-                "does not list", checkpoint=where, key=key, file=entry.file)
-        if any(s < 0 for s in entry.shape) or entry.offset < 0 or entry.length < 0:
-            raise ValueError(f"array {key!r}: negative shape, offset or length")
-        if entry.offset + entry.length > files[entry.file]:
-            raise CorruptCheckpointError(
-                f"{where}: array {key!r} ends past the end of {entry.file}",
-                checkpoint=where, key=key, file=entry.file)
-        dt = decode_dtype(entry.dtype)
-        if entry.codec == "none" and entry.length != math.prod(entry.shape) * dt.itemsize:
-            raise CorruptCheckpointError(
-                f"{where}: array {key!r} has {entry.length} bytes, its shape and dtype need "
-                f"{math.prod(entry.shape) * dt.itemsize}", checkpoint=where, key=key)
-        arrays[key] = entry
+        shape = _shape(e["shape"], key)
+        if "shards" in e:
+            if not isinstance(e["shards"], list) or not e["shards"]:
+                raise ValueError(f"array {key!r}: shards is not a non-empty list")
+            shards = [_stored(s, key, where, files, e["dtype"], shape) for s in e["shards"]]
+            _check_cover(shards, shape, key, where)
+            arrays[key] = ArrayEntry(dtype=e["dtype"], shape=shape, file="", offset=0, length=0,
+                                     hash="", shards=shards)
+            continue
+        arrays[key] = _stored(e, key, where, files, e["dtype"], shape)
     values = doc.get("values", {})
     if not isinstance(values, dict):
         raise ValueError("values is not an object")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -89,10 +90,19 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ arrays
     def read_array(self, key: str, entry: ArrayEntry, out: np.ndarray | None = None) -> np.ndarray:
-        """Read one array (into ``out`` when given: C-contiguous, right shape and dtype)."""
+        """Read one array (into ``out`` when given: C-contiguous, right shape and dtype); a
+        sharded one is assembled shard by shard."""
         dtype = decode_dtype(entry.dtype)
         if out is None:
             out = np.empty(entry.shape, dtype)
+        if entry.shards is not None:
+            for shard in entry.shards:
+                region = out[_slices(shard.index)]
+                if region.flags.c_contiguous:
+                    self.read_array(key, shard, region)  # straight in: sharded on the first axis
+                else:
+                    region[...] = self.read_array(key, shard)
+            return out
         raw = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
         h = new_hasher(self.manifest.hash_algorithm)
         if entry.codec == "none":
@@ -136,6 +146,36 @@ class CheckpointReader:
             f"{self.where}: array {key!r} in {entry.file} at offset {entry.offset}: {what}",
             checkpoint=self.where, key=key, file=entry.file)
 
+    def region_reader(self, key: str, entry: ArrayEntry
+                      ) -> Callable[[tuple[tuple[int, int], ...]], np.ndarray]:
+        """``read(index)``: the values of array ``key`` inside ``index`` (``(start, stop)`` per
+        dimension), reading only the shards that overlap it, each once and hash-verified."""
+        cache: dict[int, np.ndarray] = {}
+        parts = entry.parts
+
+        def read(index: tuple[tuple[int, int], ...]) -> np.ndarray:
+            if entry.shards is None:
+                if 0 not in cache:
+                    cache[0] = self.read_array(key, entry)
+                return cache[0][_slices(index)]
+            out = np.empty([b - a for a, b in index], decode_dtype(entry.dtype))
+            for i, shard in enumerate(parts):
+                assert shard.index is not None
+                common = [(max(a, c), min(b, d)) for (a, b), (c, d)
+                          in zip(index, shard.index, strict=True)]
+                if any(lo >= hi for lo, hi in common) and out.size:
+                    continue
+                if i not in cache:
+                    cache[i] = self.read_array(key, shard)
+                src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _d)
+                            in zip(common, shard.index, strict=True))
+                dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _b)
+                            in zip(common, index, strict=True))
+                out[dst] = cache[i][src]
+            return out
+
+        return read
+
     # ------------------------------------------------------------------ whole checkpoint
     def load(self) -> Any:
         """A fresh nested structure of numpy arrays and values."""
@@ -151,8 +191,7 @@ class CheckpointReader:
                     f"{self.where}: array {key!r} cannot be made ({type(e).__name__}: {e})",
                     checkpoint=self.where, key=key, file=MANIFEST) from None
 
-        self.per_file(sorted(m.arrays.items(), key=lambda kv: (kv[1].file, kv[1].offset)),
-                       load_one)
+        self.per_file(sorted(m.arrays.items(), key=lambda kv: kv[1].start), load_one)
         try:
             leaves.update({k: decode_value(v) for k, v in m.values.items()})
             if m.structure is None:
@@ -183,7 +222,7 @@ class CheckpointReader:
         each file is read sequentially while reading and hash checks overlap across files."""
         by_file: dict[str, list[Any]] = {}
         for item in items:
-            by_file.setdefault(item[-1].file, []).append(item)
+            by_file.setdefault(item[-1].start[0], []).append(item)
         runs = list(by_file.values())
         for fname in by_file:
             if fname not in self._sources:
@@ -266,6 +305,10 @@ def _os_error(where: str, fname: str, e: OSError) -> CheckpointError:
             "manifest describes", checkpoint=where, file=fname)
     return CheckpointError(f"{where}: reading {fname} failed ({type(e).__name__}: {e}); the "
                            "checkpoint may be intact: retry, or check the storage")
+
+
+def _slices(index: Any) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in index)
 
 
 def nbytes_of(entry: ArrayEntry) -> int:

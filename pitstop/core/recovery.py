@@ -15,7 +15,7 @@ from typing import Any
 
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
 from .errors import CheckpointError
-from .manifest import ArrayEntry, Manifest
+from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces
 from .memtier import MemoryTier
 from .reader import CheckpointReader
 from .snapshot import StagingBuffer, StagingPool
@@ -104,6 +104,8 @@ def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str)
     for k, dt, shape, off, n in layout["arrays"]:
         m.arrays[k] = ArrayEntry(dtype=dt, shape=list(shape), file="shm.buf", offset=int(off),
                                  length=int(n), hash=hashes[k])
+    if any(SHARD_MARK in k for k in m.arrays):
+        m.arrays = group_pieces(m.arrays)
     return m.to_bytes()
 
 

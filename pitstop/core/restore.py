@@ -376,6 +376,8 @@ class RestorePlan:
             refuse(b, f"shares memory with {_q(a)}, {why}")
         for key, text in self._unreplaceable():
             refuse(key, text)
+        for key, text in self._unrebuildable():
+            refuse(key, text)
         for path, node in flat.adapters:
             check = getattr(node.adapter, "check", None)
             if check is None or any(_is_under(path, p) for p in self.skipped_adapters):
@@ -463,6 +465,26 @@ class RestorePlan:
                               "place; pass it inside a dict or a list, or use load()"))
         return out
 
+    def _unrebuildable(self) -> list[tuple[str, str]]:
+        """Immutable objects an adapter rebuilds (JAX arrays, pytree nodes) whose new object
+        has nowhere to go: the state's root, or a container that cannot change."""
+        out = []
+        for path, node in self.flat.adapters:
+            if not getattr(node.adapter, "rebuilds", False) or not self.ck.under(path) \
+                    or _root_key(path) in self.bad:
+                continue
+            if node.parent is None:
+                if not self.flat.detached:
+                    out.append((ROOT, f"the state itself is a {type(node.obj).__name__}, which "
+                                      "cannot change in place; pass it inside a dict (e.g. "
+                                      "{'state': state}), or use load(target=state) to get a new "
+                                      "one"))
+                continue
+            why = self._cannot_take(node.parent, set())
+            if why is not None:
+                out.append((_root_key(path), why))
+        return out
+
     def _cannot_take(self, container: Any, seen: set[int]) -> str | None:
         """Why a new entry cannot be put into ``container`` (None when it can)."""
         if isinstance(container, tuple):
@@ -477,6 +499,8 @@ class RestorePlan:
             self.tuple_style[id(container)] = style
             _path, parent, _key = info
             if parent is None:
+                if self.flat.detached:
+                    return None  # load(target=...): the new root is returned
                 return (f"it sits in the state's root {type(container).__name__}, which "
                         "cannot change in place; pass the state inside a dict or a list, or "
                         "use load()")
@@ -523,10 +547,16 @@ class RestorePlan:
                     key, m.arrays[key], leaf.array)  # type: ignore[attr-defined]
         todo = [(k, leaf, m.arrays[k]) for k, leaf in flat.arrays.items()
                 if k in m.arrays and k not in skip and k not in flat.scalars]
-        todo.sort(key=lambda t: (t[2].file, t[2].offset))
+        todo.sort(key=lambda t: t[2].start)
 
         def restore_one(item: tuple[str, Any, ArrayEntry]) -> None:
             key, leaf, entry = item
+            if leaf.restore_from is not None:
+                leaf.restore_from(reader.region_reader(key, entry))
+                if not leaf.deferred:
+                    with self._written_lock:
+                        self.written.append(key)
+                return
             view = leaf.host_view()
             try:
                 if view is not None:
@@ -629,34 +659,57 @@ class RestorePlan:
                 if not _same_scalar(container[k], new_scalar):
                     put(container, k, new_scalar)
                 applied.append(key)
-            # rebuild the tuples that changed, innermost first, each put into its parent
-            while pending:
-                tid = max(pending, key=lambda t: len(flat.tuples[t][0]))
-                changes = pending.pop(tid)
-                _path, parent, key = flat.tuples[tid]
-                old = parent[key] if parent is not None else flat.root
-                items = [changes.get(i, x) for i, x in enumerate(old)]
-                new = _rebuild_tuple(old, items, self.tuple_style.get(tid))
-                assert parent is not None, "the check phase refuses an immutable root tuple"
-                put(parent, key, new)
         except Exception as e:  # noqa: BLE001 - reported with what was already restored
             raise self._partly(f"putting the values back failed ({type(e).__name__}: {e})",
                                applied, []) from e
         for key, (node, k) in self.leaf_replaced.items():
             node.tree[k] = self.leaf_fresh[key]
+        # tuples that changed are rebuilt and adapters applied innermost first (a longer key
+        # path is deeper; at the same path a tuple is the adapter's own subtree): each
+        # rebuilt tuple, and each new object of an adapter that ``rebuilds``, goes into its
+        # parent, which may make that parent change in turn
+        adapters = sorted(flat.adapters, key=lambda pn: -len(pn[0]))  # stable: inner first
         done: list[str] = []
-        for path, node in flat.adapters:
+        i = 0
+        while pending or i < len(adapters):
+            tid = max(pending, key=lambda t: len(flat.tuples[t][0])) if pending else None
+            if tid is not None and (i == len(adapters)
+                                    or len(flat.tuples[tid][0]) >= len(adapters[i][0])):
+                changes = pending.pop(tid)
+                _path, parent, key = flat.tuples[tid]
+                old = parent[key] if parent is not None else flat.root
+                items = [changes.get(j, x) for j, x in enumerate(old)]
+                try:
+                    new = _rebuild_tuple(old, items, self.tuple_style.get(tid))
+                except Exception as e:  # noqa: BLE001 - reported with what was restored
+                    raise self._partly(f"putting the values back failed ({type(e).__name__}: "
+                                       f"{e})", applied, done) from e
+                if parent is None:
+                    assert flat.detached, "the check phase refuses an immutable root tuple"
+                    flat.root = new
+                else:
+                    put(parent, key, new)
+                continue
+            path, node = adapters[i]
+            i += 1
             if path in self.skipped_adapters or any(
                     _is_under(path, p) and path != p for p in self.replaced):
                 continue
             tree = self.replaced[path] if path in self.replaced else node.tree
             try:
-                node.adapter.apply(node.obj, tree)
+                result = node.adapter.apply(node.obj, tree)
             except Exception as e:  # noqa: BLE001 - reported with what was already restored
                 key = _root_key(path)
                 raise self._partly(
                     f"putting back {_q(key)} ({type(node.obj).__name__}) failed: "
                     f"{type(e).__name__}: {e}", applied, done) from e
+            if getattr(node.adapter, "rebuilds", False) and result is not None \
+                    and result is not node.obj:
+                if node.parent is None:
+                    assert flat.detached, "the check phase refuses an immutable root object"
+                    flat.root = result
+                else:
+                    put(node.parent, node.key, result)
             done.append(_root_key(path))
 
     def _partly(self, what: str, values: list[str], objects: list[str]) -> CheckpointError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,25 @@ class ArrayLeaf:
         overlap are refused unless they are the same view getting the same bytes."""
         return None
 
+    #: True for a leaf split into shards (:meth:`pieces`); the engine then stores each
+    #: distinct shard once and the manifest records the global shape and every shard's index
+    sharded = False
+
+    def pieces(self) -> list[tuple[tuple[tuple[int, int], ...], ArrayLeaf]]:
+        """``[(index, leaf), ...]``: each distinct shard once, ``index`` its ``(start, stop)``
+        per dimension; together they cover the array exactly (only when :attr:`sharded`)."""
+        raise NotImplementedError
+
+    #: Optional: ``restore_from(read)`` builds the restored value from regions, where
+    #: ``read(index)`` returns the checkpoint's values inside ``index`` (``(start, stop)`` per
+    #: dimension) as a host array; a leaf that has it is restored through it (a sharded
+    #: target then reads only the shards each of its devices needs)
+    restore_from: Callable[[Callable[[tuple[tuple[int, int], ...]], np.ndarray]], None] | None \
+        = None
+    #: True when restoring only keeps the new value for the adapter's ``apply`` (an
+    #: immutable array): nothing live changes before the apply phase
+    deferred = False
+
 
 class NumpyLeaf(ArrayLeaf):
     """An ``np.ndarray`` leaf: any shape, order or stride; restored in place."""
@@ -191,6 +210,10 @@ class AdapterNode:
     subtree: Any
     #: ``[subtree]``: value leaves at the root of the subtree are replaced inside it
     holder: list[Any] = field(default_factory=list)
+    #: the container holding ``obj`` and its key there (None at the root): where the object
+    #: ``apply`` returns goes, for an adapter of immutable objects (``rebuilds``)
+    parent: Any = None
+    key: Any = None
 
     @property
     def tree(self) -> Any:
@@ -218,6 +241,11 @@ class FlatState:
     tuples: dict[int, tuple[str, Any, Any]] = field(default_factory=dict)
     #: what adapters said they cannot capture exactly (``caveats``), with their key paths
     caveats: list[str] = field(default_factory=list)
+    #: keys of sharded array leaves (their shards are stored separately)
+    sharded: list[str] = field(default_factory=list)
+    #: a state made by ``load(target=...)``: immutable objects at its root are rebuilt and
+    #: the new root left in :attr:`root`
+    detached: bool = False
     structure: Any = None
     #: the state object itself
     root: Any = None
@@ -394,6 +422,8 @@ class _Flattener:
             return 0
         if isinstance(obj, ArrayLeaf):
             flat.arrays[_leaf_path(path)] = obj
+            if obj.sharded:
+                flat.sharded.append(_leaf_path(path))
             return 0
         if isinstance(obj, np.ndarray):
             if isinstance(obj, np.ma.MaskedArray):
@@ -412,7 +442,8 @@ class _Flattener:
             return _value(obj, path, flat, parent, key)
         if depth >= MAX_DEPTH:
             raise _too_deep(path)
-        if isinstance(obj, (Mapping, list, tuple)):
+        if isinstance(obj, (Mapping, list, tuple)) and not (
+                type(obj) is not dict and _frozen_mapping(obj) and self._adapted(obj)):
             if id(obj) in self.open:
                 raise UnsupportedStateError(
                     f"state entry {_where(path)} contains itself (a reference cycle); "
@@ -459,12 +490,17 @@ class _Flattener:
             caveats = getattr(adapter, "caveats", None)
             if caveats is not None:
                 flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in caveats(obj))
-            node = AdapterNode(obj, adapter, subtree, [subtree])
+            node = AdapterNode(obj, adapter, subtree, [subtree], parent, key)
             sub = self.walk(subtree, path, node.holder, 0, depth + 1)
         finally:
             self.open.discard(id(obj))
         flat.adapters.append((path, node))
         return {"$o": sub}
+
+    def _adapted(self, obj: Any) -> bool:
+        """An immutable mapping an adapter rebuilds (a Flax FrozenDict): not walked as a
+        container, whose entries could not be put back."""
+        return self.resolve is not None and self.resolve(obj) is not None
 
     def _mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Any:
         items = []
@@ -482,6 +518,10 @@ class _Flattener:
             items.append([name if isinstance(k, str) else int(k),
                           self.walk(v, join(path, name), obj, k, depth + 1)])
         return {"$d": items}
+
+
+def _frozen_mapping(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and not isinstance(obj, MutableMapping)
 
 
 def _key_text(k: Any, path: str) -> str:

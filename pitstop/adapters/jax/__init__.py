@@ -1,0 +1,37 @@
+"""JAX support: put JAX pytrees straight into the state you give the manager.
+
+>>> state = {"params": params, "opt_state": opt_state, "key": key}
+>>> start = mgr.restore(state)       # replaces the pytrees inside ``state`` (JAX arrays are
+...                                  # immutable); None on a fresh run
+>>> new = mgr.load(target=abstract)  # a new pytree, arrays placed as ``abstract`` says
+
+Saved: ``jax.Array`` of every dtype numpy or ml_dtypes holds (sharded arrays shard by shard,
+each distinct shard once), raw ``uint32`` and typed PRNG keys (every implementation), any
+registered pytree node (dataclasses, Flax ``struct`` dataclasses, ``FrozenDict``, NNX
+``State`` and modules), Optax states. Imported by the adapter registry the first time a JAX
+object shows up in a state (or any unknown object once JAX is imported).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..registry import register_adapter
+from ._adapter import JaxAdapter, is_typed_key
+from ._leaf import JaxArrayLeaf
+
+# after the adapters of specific frameworks (a Keras variable on the JAX backend is Keras's):
+# this one also takes any registered pytree node
+register_adapter(JaxAdapter(), first=False)
+
+
+def __getattr__(name: str) -> Any:
+    # Orbax (and the tensorstore it brings) is imported only by those who convert
+    if name in ("import_orbax", "export_orbax"):
+        from . import orbax
+
+        return getattr(orbax, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["JaxAdapter", "JaxArrayLeaf", "is_typed_key", "import_orbax", "export_orbax"]
