@@ -20,9 +20,11 @@ from .tree import decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
-#: the version of a manifest that holds sharded arrays (readers before it refuse them)
-SHARDED_VERSION = "1.2"
-MAJOR = 1
+#: the version of a manifest that holds sharded arrays: a new major, so that a reader from
+#: before shards says "upgrade pitstop" instead of calling the checkpoint corrupt (a manifest
+#: without shards is still written as 1.1, which every 1.x reader reads)
+SHARDED_VERSION = "2.0"
+MAJOR = 2
 #: separates a key path from a shard's index in the engine's piece keys; ``~`` is always
 #: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
 SHARD_MARK = "~s"
@@ -30,7 +32,9 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2})$")
 
 #: major version -> function upgrading a manifest dict of that major to the next one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: lambda doc: doc,  # 2.0 only added sharded array entries: a 1.x manifest is a 2.0 one
+}
 
 
 @dataclass(slots=True)
@@ -194,7 +198,7 @@ def parse(data: bytes, where: str) -> Manifest:
                                      checkpoint=where) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where}: not a pitstop manifest", checkpoint=where)
-    if str(doc.get("format_version", "")).startswith("1."):
+    if str(doc.get("format_version", "")).startswith(("1.", "2.")):
         check_seal(data, doc, where)
     version = doc.get("format_version")
     try:
@@ -204,8 +208,8 @@ def parse(data: bytes, where: str) -> Manifest:
                                      checkpoint=where) from None
     if major > MAJOR:
         raise UnsupportedFormatError(
-            f"{where}: written in checkpoint format {version}, but this pitstop reads format "
-            f"{MAJOR}.x. Upgrade pitstop (pip install -U pitstop) to read it."
+            f"{where}: written in checkpoint format {version}, but this pitstop reads formats "
+            f"up to {MAJOR}.x. Upgrade pitstop (pip install -U pitstop) to read it."
         )
     while major < MAJOR:
         if major not in MIGRATIONS:

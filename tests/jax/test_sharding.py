@@ -205,3 +205,23 @@ def test_sigkill_after_a_sharded_snapshot_restores_it_from_memory(tmp_path):
         assert mgr.metadata(2).arrays["w"].shards is not None  # persisted shard by shard
     finally:
         mgr.close()
+
+
+def test_the_format_pages_numpy_reader_and_schema_read_a_sharded_checkpoint(tmp_path):
+    """docs/format.md's reader (numpy only) and manifest.schema.json know format 2.0."""
+    import re
+
+    jsonschema = pytest.importorskip("jsonschema")
+    page = (ROOT / "docs" / "format.md").read_text()
+    src, = re.findall(r"```python\n(.*?)```", page, re.S)
+    ns: dict = {"__name__": "format_md_reader"}
+    exec(compile(src, "docs/format.md", "exec"), ns)
+    x = jax.device_put(value(jnp.bfloat16), sharding("grid"))
+    with open_mgr(tmp_path / "c") as mgr:
+        mgr.save(4, {"w": x, "b": np.arange(3)})
+    ckpt = ns["latest"](str(tmp_path / "c"))
+    got = ns["load"](ckpt)
+    assert same(got["w"].view(np.uint16), np.asarray(x).view(np.uint16))
+    schema = json.loads((ROOT / "docs" / "manifest.schema.json").read_text())
+    manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
+    assert not list(jsonschema.Draft202012Validator(schema).iter_errors(manifest))
