@@ -54,9 +54,14 @@ _TORCH = re.compile(r"^\s*(import torch\b|from torch\b|(import|from) pitstop\.ad
                     re.M)
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 #: a page that uses TensorFlow runs in a pytest process of its own: TensorFlow and the triton
-#: that torch imports crash when one process loads both (see tests/conftest.py)
+#: that torch imports crash when one process loads both (see tests/conftest.py); so does a
+#: page that uses JAX, which reads its device count (XLA_FLAGS) once per process
 _TF = re.compile(r"^\s*(import tensorflow\b|import keras\b|from pitstop\.adapters\.tf\b)", re.M)
+_JAX = re.compile(r"^\s*(import jax\b|from jax\b|from pitstop\.adapters\.jax\b)", re.M)
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
+HAS_JAX = importlib.util.find_spec("jax") is not None
+#: the host devices a JAX page sees (its sharding examples use a mesh of them)
+JAX_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 #: manifest members that differ on every save (time, identity, writer, the self-hash)
 VOLATILE = ("created_unix", "directory_id", "writer", "manifest_hash")
 
@@ -159,14 +164,19 @@ def _close_managers(ns: dict) -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if _TF.search(page.read_text()) and os.environ.get("PITSTOP_DOCS_PAGE") != page.name:
-        if not HAS_TF:
+    text = page.read_text()
+    own = _TF.search(text) or _JAX.search(text)
+    if own and os.environ.get("PITSTOP_DOCS_PAGE") != page.name:
+        if _TF.search(text) and not HAS_TF:
             pytest.skip(f"{page.name}: needs tensorflow")
+        if _JAX.search(text) and not HAS_JAX:
+            pytest.skip(f"{page.name}: needs jax")
         r = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              f"{Path(__file__).resolve()}::test_code_blocks_run[{page.name}]"],
             cwd=ROOT, capture_output=True, text=True, timeout=600,
-            env=dict(os.environ, PITSTOP_DOCS_PAGE=page.name))
+            env=dict(os.environ, PITSTOP_DOCS_PAGE=page.name,
+                     **(JAX_ENV if _JAX.search(text) else {})))
         assert r.returncode == 0, f"{page.name} (own process):\n{r.stdout[-20000:]}\n{r.stderr[-3000:]}"
         return
     page_items = items(page)
@@ -286,6 +296,10 @@ def test_public_names_are_documented() -> None:
     page = (DOCS / "keras.md").read_text()
     missing = [n for n in keras_all if n not in {"KerasVariableLeaf"} and n not in page]
     assert not missing, f"docs/keras.md never mentions {missing}"
+    jax_all = _literal_all(ROOT / "pitstop" / "adapters" / "jax" / "__init__.py")
+    page = (DOCS / "jax.md").read_text()
+    missing = [n for n in jax_all if n not in {"JaxArrayLeaf", "JaxAdapter"} and n not in page]
+    assert not missing, f"docs/jax.md never mentions {missing}"
 
 
 def _literal_all(path: Path) -> list[str]:

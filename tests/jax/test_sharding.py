@@ -73,7 +73,7 @@ def test_each_distinct_shard_is_written_once(tmp_path, saved, n_shards):
         return
     assert entry.shards is not None and len(entry.shards) == n_shards
     assert sum(s.length for s in entry.shards) == x.nbytes  # replicas not duplicated
-    want = sorted(tuple((sl.start or 0, sl.stop or n) for sl, n in zip(s.index, x.shape))
+    want = sorted(tuple((sl.start or 0, sl.stop or n) for sl, n in zip(s.index, x.shape, strict=True))
                   for s in x.addressable_shards)
     assert sorted(tuple(map(tuple, s.index)) for s in entry.shards) == sorted(set(want))
     doc = json.loads((tmp_path / "c" / "step_0000000001" / "manifest.json").read_bytes())
