@@ -868,7 +868,7 @@ def _skeleton(target: Any) -> Any:
     if type(target) is tuple:
         return tuple(_skeleton(v) for v in target)
     if isinstance(target, tuple) and callable(getattr(type(target), "_make", None)):
-        return type(target)._make(_skeleton(v) for v in target)  # a namedtuple
+        return type(target)._make(_skeleton(v) for v in target)  # type: ignore[attr-defined]
     return target
 
 

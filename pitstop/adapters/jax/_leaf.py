@@ -110,7 +110,7 @@ class JaxArrayLeaf(ArrayLeaf):
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         made = jax.make_array_from_callback(
-            shape, sharding, lambda idx: read(normalize(idx, shape)))
+            shape, sharding, lambda idx: read(normalize(idx or (), shape)))
         if self.weak_type:
             made = _weak(made)
         self.restored = made
