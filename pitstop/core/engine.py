@@ -32,7 +32,7 @@ import numpy as np
 
 from . import codecs
 from .dtypes import encode_dtype, is_inexact
-from .errors import CheckpointError, CheckpointWriteError
+from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .hashing import new_hasher
 from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces, piece_key
 from .snapshot import Layout, StagingBuffer, StagingPool
@@ -292,6 +292,11 @@ class Engine:
                     fences.append(fence)
             for fence in fences:
                 fence()
+        except UnsupportedStateError as e:
+            self.pool.release(buf)
+            if key is None or str(e).startswith("state entry "):
+                raise
+            raise UnsupportedStateError(f"state entry {key!r}: {e}") from e
         except CheckpointError:
             self.pool.release(buf)
             raise

@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -404,7 +404,7 @@ class CheckpointManager:
         self._check_usable()
         step = None if step is None else step_arg(step)
         if target is not None:
-            fresh = _skeleton(target)
+            fresh = _skeleton(target, self._resolve)
             restored, _report, flat = self._restore_into(fresh, step, True, detached=True)
             if restored is None:
                 raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
@@ -855,21 +855,42 @@ class CheckpointManager:
         return steps
 
 
-def _skeleton(target: Any) -> Any:
+def _skeleton(target: Any, resolve: Callable[[Any], Any]) -> Any:
     """A copy of ``target``'s containers (dicts, lists, tuples) and numpy arrays, for
-    ``load(target=...)`` to fill without touching the target; other objects (framework
-    arrays, pytree nodes, shape specs) are shared: their adapters return new objects."""
-    if isinstance(target, np.ndarray):
-        return np.empty_like(target)
-    if type(target) is dict:
-        return {k: _skeleton(v) for k, v in target.items()}
-    if type(target) is list:
-        return [_skeleton(v) for v in target]
-    if type(target) is tuple:
-        return tuple(_skeleton(v) for v in target)
-    if isinstance(target, tuple) and callable(getattr(type(target), "_make", None)):
-        return type(target)._make(_skeleton(v) for v in target)  # type: ignore[attr-defined]
-    return target
+    ``load(target=...)`` to fill without touching the target. An object an adapter handles
+    is copied by the adapter's ``skeleton(obj, copy)`` where it has one (a JAX pytree node
+    with numpy arrays inside, a mutable Flax NNX module), else shared (immutable ones are
+    rebuilt anyway)."""
+    def copy(x: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            return np.empty_like(x)
+        if type(x) is dict:
+            return {k: copy(v) for k, v in x.items()}
+        if type(x) is list:
+            return [copy(v) for v in x]
+        if type(x) is tuple:
+            return tuple(copy(v) for v in x)
+        if isinstance(x, tuple) and callable(getattr(type(x), "_make", None)):
+            return type(x)._make(copy(v) for v in x)  # type: ignore[attr-defined]
+        if isinstance(x, (*_PLAIN_VALUES, np.generic)):
+            return x
+        own = getattr(resolve(x), "skeleton", None)
+        if own is not None:
+            return own(x, copy)  # a pytree node (a Flax nnx.State too) rebuilt by its adapter
+        if isinstance(x, MutableMapping):  # OrderedDict, defaultdict ...
+            items = {k: copy(v) for k, v in x.items()}
+            try:
+                factory = getattr(x, "default_factory", _NONE)
+                return type(x)(items) if factory is _NONE else type(x)(factory, items)
+            except Exception:  # noqa: BLE001 - a mapping built otherwise: shared
+                return x
+        return x
+
+    return copy(target)
+
+
+_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
+_NONE = object()
 
 
 def _overwritten(errors: list[CorruptCheckpointError]) -> str:

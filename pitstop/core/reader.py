@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -259,8 +260,15 @@ class _FileSource:
                 self.fd = None  # the plain path below reports it
         self.window = np.empty(0, np.uint8)
         self.w_start = self.w_end = 0
+        #: one reader at a time: the shards of a sharded array may lie in several data files,
+        #: so a file's source can be read by another file's thread too
+        self.lock = threading.Lock()
 
     def read_into(self, offset: int, out: np.ndarray) -> int:
+        with self.lock:
+            return self._read_into(offset, out)
+
+    def _read_into(self, offset: int, out: np.ndarray) -> int:
         n = out.nbytes
         if self.fd is None:
             return self.reader.storage.read_into(self.reader.name, self.fname, offset, out)

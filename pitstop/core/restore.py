@@ -379,6 +379,10 @@ class RestorePlan:
         for key, text in self._unrebuildable():
             refuse(key, text)
         for path, node in flat.adapters:
+            why = self._other_type(path, node)
+            if why is not None:
+                refuse(_root_key(path), why)
+                continue
             check = getattr(node.adapter, "check", None)
             if check is None or any(_is_under(path, p) for p in self.skipped_adapters):
                 continue
@@ -398,6 +402,22 @@ class RestorePlan:
             raise IncompatibleTargetError(
                 f"cannot restore {self.where} into this state (nothing was changed):\n  "
                 + "\n  ".join(problems), mismatched=refused)
+
+    def _other_type(self, path: str, node: Any) -> str | None:
+        """Why the object at ``path`` is not of the type the checkpoint recorded there (an
+        adapter's ``type_tag``: a pytree node rebuilt from the target must be the saved one)."""
+        tag = getattr(node.adapter, "type_tag", None)
+        live = tag(node.obj) if tag is not None else None
+        if not live:
+            return None
+        saved = self.m.structure
+        for comp in split(path):
+            saved = _child(saved, comp)
+        saved = saved.get("$type") if isinstance(saved, dict) else None
+        if not isinstance(saved, str) or saved == live:
+            return None
+        return (f"the checkpoint holds a {saved} here, the target is a {live}; restore into "
+                f"a {saved} (or load() the checkpoint without a target to get plain arrays)")
 
     def _shared_memory(self, keys: list[str]) -> list[tuple[str, str, str]]:
         """Pairs of leaves to be written whose memory overlaps. Allowed only where both are

@@ -399,7 +399,8 @@ def flatten(state: Any, resolve: Resolver | None = None) -> FlatState:
 
     ``structure`` records containers that hold arrays so :func:`unflatten` can rebuild the
     nesting: a dict becomes ``{"$d": [[key, sub], ...]}``, a list ``{"$l": [...]}``, a tuple
-    ``{"$t": [...]}``, an adapter-handled object ``{"$o": sub}``, a leaf ``0`` and a numpy
+    ``{"$t": [...]}``, an adapter-handled object ``{"$o": sub}`` (with ``"$type"``, the
+    object's type name, when its adapter has ``type_tag``), a leaf ``0`` and a numpy
     scalar (stored as a 0-d array) ``1``. A state nested deeper than :data:`MAX_DEPTH` or
     containing itself is refused with :class:`UnsupportedStateError`.
     """
@@ -495,7 +496,9 @@ class _Flattener:
         finally:
             self.open.discard(id(obj))
         flat.adapters.append((path, node))
-        return {"$o": sub}
+        tag = getattr(adapter, "type_tag", None)
+        name = tag(obj) if tag is not None else None
+        return {"$o": sub, "$type": name} if name else {"$o": sub}
 
     def _adapted(self, obj: Any) -> bool:
         """An immutable mapping an adapter rebuilds (a Flax FrozenDict): not walked as a

@@ -28,7 +28,8 @@ KEY_DATA, IMPL = "key_data", "impl"
 
 def is_typed_key(x: Any) -> bool:
     """True for a typed PRNG key array (``jax.random.key``) or its ShapeDtypeStruct."""
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and \
+        jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _impl_name(x: Any) -> str:
@@ -40,18 +41,27 @@ def _impl_name(x: Any) -> str:
 
 
 def _is_node(obj: Any) -> bool:
-    """A registered pytree node (not a leaf, not a container the core walks itself)."""
+    """A registered pytree node (not a leaf, not a container the core walks itself), one
+    without children (a dataclass of static fields only) included."""
     try:
-        _kids, treedef = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj)
+        kids, treedef = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj)
     except Exception:  # noqa: BLE001 - an object whose flatten fails is not ours to save
         return False
-    return not jax.tree_util.treedef_is_leaf(treedef)
+    return not (treedef.num_nodes == 1 and len(kids) == 1 and kids[0] is obj)
 
 
 def _children(obj: Any) -> tuple[list[Any], list[Any], Any]:
-    """``(names, children, treedef)`` of one pytree node, one level deep."""
+    """``(names, children, treedef)`` of one pytree node, one level deep; two children whose
+    key names print alike (an attribute ``x`` and a dict key ``"x"``) are refused."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
     names = [_name(path[-1]) if path else i for i, (path, _child) in enumerate(pairs)]
+    if len(set(map(str, names))) != len(names):
+        seen: set[str] = set()
+        twice = next(str(n) for n in names if str(n) in seen or seen.add(str(n)))
+        raise UnsupportedStateError(
+            f"this {type(obj).__name__} has two children named {twice!r} (its pytree keys "
+            f"{[str(p[-1]) for p, _c in pairs if p and str(_name(p[-1])) == twice]}); pitstop "
+            "saves children by name, so rename one")
     return names, [child for _path, child in pairs], treedef
 
 
@@ -64,8 +74,13 @@ def _name(entry: Any) -> Any:
 
 
 def _graph_node(obj: Any) -> bool:
+    """A mutable Flax NNX object (a module, ``nnx.Optimizer``, ``nnx.Rngs``): saved as
+    ``nnx.state(obj)`` and updated in place."""
     nnx = _nnx()
-    return nnx is not None and isinstance(obj, nnx.Module | getattr(nnx, "Optimizer", nnx.Module))
+    if nnx is None:
+        return False
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None) or nnx.Module
+    return isinstance(obj, base)
 
 
 def _nnx() -> Any:
@@ -103,9 +118,9 @@ class JaxAdapter:
                     "this is a traced value (inside jax.jit, grad or vmap); save concrete "
                     "arrays, outside the transformed function")
             if obj.is_deleted():
-                raise UnsupportedStateError(
-                    "this jax.Array was deleted (donated to a jitted function, or "
-                    ".delete()d); save the array the function returned instead")
+                # a restore target needs only its shape, dtype and sharding; a save of it
+                # fails at the snapshot, naming the entry
+                return JaxArrayLeaf(obj)
             if is_typed_key(obj):
                 return {KEY_DATA: _start_copy(jax.random.key_data(obj)), IMPL: _impl_name(obj)}
             return _start_copy(obj)
@@ -114,7 +129,33 @@ class JaxAdapter:
         names, kids, _treedef = _children(obj)
         return dict(zip(names, kids, strict=True))
 
+    def skeleton(self, obj: Any, copy: Any) -> Any:
+        """A copy of ``obj`` for ``load(target=obj)`` to fill, leaving ``obj`` as it is: an
+        NNX object cloned, a pytree node rebuilt around copies of its children."""
+        if isinstance(obj, jax.Array | jax.ShapeDtypeStruct):
+            return obj  # immutable: rebuilt anyway
+        if _graph_node(obj):
+            return _nnx().clone(obj)
+        _names, kids, treedef = _children(obj)
+        return treedef.unflatten([copy(k) for k in kids])
+
+    def type_tag(self, obj: Any) -> str | None:
+        """The type name a pytree node is recorded with (its class's qualified name, not its
+        module: a class of a script's ``__main__`` is the same class imported elsewhere)."""
+        if isinstance(obj, jax.Array | jax.ShapeDtypeStruct):
+            return None
+        return type(obj).__qualname__
+
     # ------------------------------------------------------------------ restore
+    def replaceable(self, obj: Any) -> list[Any]:
+        """Scalar children of a pytree node: a Flax ``TrainState.step`` is a Python int in a
+        fresh state and a 0-d array once a jitted step has run, and either restores into
+        the other (as Orbax does), never refused and never left behind."""
+        if isinstance(obj, jax.Array | jax.ShapeDtypeStruct) or _graph_node(obj):
+            return []
+        names, kids, _treedef = _children(obj)
+        return [n for n, k in zip(names, kids, strict=True) if _scalar(k)]
+
     def check(self, obj: Any, tree: Any) -> None:
         kind = "typed PRNG key" if is_typed_key(obj) else None
         if isinstance(obj, jax.Array | jax.ShapeDtypeStruct):
@@ -155,7 +196,24 @@ class JaxAdapter:
         names, kids, treedef = _children(obj)
         if not isinstance(tree, dict):
             return obj
-        return treedef.unflatten([tree.get(n, k) for n, k in zip(names, kids, strict=True)])
+        new = [_scalar_like(tree.get(n, k), k) for n, k in zip(names, kids, strict=True)]
+        if all(a is b for a, b in zip(new, kids, strict=True)):
+            return obj  # nothing of it was restored (strict=False): the same object
+        return treedef.unflatten(new)
+
+
+def _scalar(x: Any) -> bool:
+    if isinstance(x, bool | int | float | np.generic):
+        return True
+    return isinstance(x, jax.Array) and x.ndim == 0 and not is_typed_key(x)
+
+
+def _scalar_like(value: Any, live: Any) -> Any:
+    """A scalar read fresh from the checkpoint (a 0-d numpy array) as a JAX array where the
+    live child was one, so a resumed run holds what the uninterrupted run held."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and isinstance(live, jax.Array):
+        return jax.numpy.asarray(value)
+    return value
 
 
 def _start_copy(array: Any) -> JaxArrayLeaf:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from ...core.dtypes import check_savable_dtype
-from ...core.errors import UnsupportedStateError
+from ...core.errors import CheckpointError, UnsupportedStateError
 from ...core.tree import ArrayLeaf
 
 Index = tuple[tuple[int, int], ...]
@@ -74,10 +74,17 @@ class JaxArrayLeaf(ArrayLeaf):
         self.dtype = host_dtype(src.dtype, where)
         self.sharding = getattr(src, "sharding", None)
         self.weak_type = bool(getattr(src, "weak_type", False))
+        #: an array JAX placed by default (not committed to its device) is restored so too:
+        #: it must still combine with arrays on other devices, as in the uninterrupted run
+        self.committed = bool(getattr(array, "_committed", True)) if array is not None \
+            else self.sharding is not None
+        #: 64-bit types on (jax_enable_x64, also as a context) where the state was taken:
+        #: the restore builds arrays on reader threads, which do not see the caller's context
+        self.x64 = bool(jax.config.read("jax_enable_x64"))
         #: the restored array, set by :meth:`restore_from` and handed back by the adapter
         self.restored: Any = None
         self._pieces: list[tuple[Index, ArrayLeaf]] | None = None
-        if array is not None and len(array.sharding.device_set) > 1 \
+        if array is not None and not array.is_deleted() and len(array.sharding.device_set) > 1 \
                 and not array.is_fully_replicated:
             if not array.is_fully_addressable:
                 raise UnsupportedStateError(
@@ -94,25 +101,62 @@ class JaxArrayLeaf(ArrayLeaf):
         return self._pieces
 
     def snapshot_into(self, out: np.ndarray) -> None:
+        # (the engine puts the entry's key path in front of these)
         a = self.array
         if a is None:
             raise UnsupportedStateError(
-                f"{self.where or 'this entry'} is a jax.ShapeDtypeStruct: it describes an array "
-                "to restore into and holds no data to save")
+                "it is a jax.ShapeDtypeStruct, which describes an array to restore into and "
+                "holds no data to save; save the arrays themselves")
+        if a.is_deleted():
+            raise UnsupportedStateError(
+                "this jax.Array was deleted (donated to a jitted function, or .delete()d); "
+                "save the array the function returned instead")
         if len(a.sharding.device_set) > 1:
             a = a.addressable_shards[0].data  # replicated: any one copy is the whole array
         np.copyto(out, np.asarray(a), casting="no")
 
     # ------------------------------------------------------------------ restore
+    def check_restorable(self) -> None:
+        """Refuse, before anything is read, what JAX could not build exactly: a 64-bit dtype
+        with 64-bit types off, or a sharding that does not divide the shape."""
+        with jax.enable_x64(self.x64):
+            canonical = np.dtype(jax.dtypes.canonicalize_dtype(self.dtype))
+        if canonical != self.dtype:
+            raise UnsupportedStateError(
+                f"{self.where or 'this array'} is {self.dtype} in the checkpoint and the target, "
+                f"but JAX has 64-bit types off and would make it {canonical}; turn them on "
+                "(jax.config.update('jax_enable_x64', True)) to restore it exactly")
+        if self.sharding is not None:
+            try:
+                self.sharding.shard_shape(self.shape)
+            except Exception as e:  # noqa: BLE001 - JAX's IndivisibleError and kin
+                raise UnsupportedStateError(
+                    f"the target sharding {self.sharding} cannot hold an array of shape "
+                    f"{list(self.shape)} ({type(e).__name__}: {e}); choose a sharding whose "
+                    "mesh axes divide the dimensions they split") from None
+
     def restore_from(self, read: Callable[[Index], np.ndarray]) -> None:
         shape = self.shape
-        sharding = self.sharding
-        if sharding is None:
-            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        made = jax.make_array_from_callback(
-            shape, sharding, lambda idx: read(normalize(idx or (), shape)))
-        if self.weak_type:
-            made = _weak(made)
+        full = tuple((0, n) for n in shape)
+        try:
+            with jax.enable_x64(self.x64):
+                if not self.committed:
+                    made = jax.device_put(read(full))  # on the default device, uncommitted
+                else:
+                    made = jax.make_array_from_callback(
+                        shape, self.sharding, lambda idx: read(normalize(idx or (), shape)))
+                if self.weak_type:
+                    made = _weak(made)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever JAX raises while building it
+            raise CheckpointError(
+                f"cannot build the restored array {self.where or ''} of shape {list(shape)} "
+                f"({self.dtype}) on {self.sharding}: {type(e).__name__}: {e}") from e
+        if np.dtype(made.dtype) != self.dtype:
+            raise CheckpointError(
+                f"JAX made the restored array {self.where or ''} {made.dtype}, not the saved "
+                f"{self.dtype}; turn 64-bit types on (jax_enable_x64) to restore it exactly")
         self.restored = made
 
     def assign(self, value: np.ndarray) -> None:
