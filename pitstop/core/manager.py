@@ -881,7 +881,8 @@ def _skeleton(target: Any, resolve: Callable[[Any], Any]) -> Any:
             items = {k: copy(v) for k, v in x.items()}
             try:
                 factory = getattr(x, "default_factory", _NONE)
-                return type(x)(items) if factory is _NONE else type(x)(factory, items)
+                cls: Any = type(x)
+                return cls(items) if factory is _NONE else cls(factory, items)
             except Exception:  # noqa: BLE001 - a mapping built otherwise: shared
                 return x
         return x

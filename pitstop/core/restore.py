@@ -379,9 +379,9 @@ class RestorePlan:
         for key, text in self._unrebuildable():
             refuse(key, text)
         for path, node in flat.adapters:
-            why = self._other_type(path, node)
-            if why is not None:
-                refuse(_root_key(path), why)
+            other = self._other_type(path, node)
+            if other is not None:
+                refuse(_root_key(path), other)
                 continue
             check = getattr(node.adapter, "check", None)
             if check is None or any(_is_under(path, p) for p in self.skipped_adapters):

@@ -47,7 +47,8 @@ def _is_node(obj: Any) -> bool:
         kids, treedef = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj)
     except Exception:  # noqa: BLE001 - an object whose flatten fails is not ours to save
         return False
-    return not (treedef.num_nodes == 1 and len(kids) == 1 and kids[0] is obj)
+    return not (treedef.num_nodes == 1 and len(kids) == 1  # type: ignore[attr-defined]
+                and kids[0] is obj)
 
 
 def _children(obj: Any) -> tuple[list[Any], list[Any], Any]:
@@ -56,8 +57,8 @@ def _children(obj: Any) -> tuple[list[Any], list[Any], Any]:
     pairs, treedef = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
     names = [_name(path[-1]) if path else i for i, (path, _child) in enumerate(pairs)]
     if len(set(map(str, names))) != len(names):
-        seen: set[str] = set()
-        twice = next(str(n) for n in names if str(n) in seen or seen.add(str(n)))
+        texts = [str(n) for n in names]
+        twice = next(t for i, t in enumerate(texts) if t in texts[:i])
         raise UnsupportedStateError(
             f"this {type(obj).__name__} has two children named {twice!r} (its pytree keys "
             f"{[str(p[-1]) for p, _c in pairs if p and str(_name(p[-1])) == twice]}); pitstop "

@@ -143,6 +143,7 @@ class JaxArrayLeaf(ArrayLeaf):
                 if not self.committed:
                     made = jax.device_put(read(full))  # on the default device, uncommitted
                 else:
+                    assert self.sharding is not None  # committed: it has one
                     made = jax.make_array_from_callback(
                         shape, self.sharding, lambda idx: read(normalize(idx or (), shape)))
                 if self.weak_type:
