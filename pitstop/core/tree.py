@@ -27,7 +27,7 @@ except ImportError:  # numpy < 2
     from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
 
 from .dtypes import check_savable_dtype
-from .errors import CheckpointError, UnsupportedStateError
+from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
@@ -592,3 +592,33 @@ def unflatten(structure: Any, leaves: Mapping[str, Any], path: str = "") -> Any:
     if "$t" in structure:
         return tuple(unflatten(sub, leaves, join(path, i)) for i, sub in enumerate(structure["$t"]))
     return [unflatten(sub, leaves, join(path, i)) for i, sub in enumerate(structure["$l"])]
+
+
+def select(obj: Any, key: str | None, source: str) -> Any:
+    """The subtree of a loaded tree at ``key``, a pitstop key path (``"model"``,
+    ``"state/model"``); ``source`` names the checkpoint in the error when it has none."""
+    if key is None:
+        return obj
+    node = obj
+    for comp in split(key):
+        if isinstance(node, Mapping):
+            if comp in node:
+                node = node[comp]
+                continue
+            if comp.lstrip("-").isdigit() and int(comp) in node:
+                node = node[int(comp)]
+                continue
+        elif isinstance(node, (list, tuple)) and comp.isdigit() and int(comp) < len(node):
+            node = node[int(comp)]
+            continue
+        if isinstance(node, Mapping):
+            have = ", ".join(repr(k) for k in sorted(map(str, node))) or "none"
+            found = f"entries there: {have}"
+        elif isinstance(node, (list, tuple)):
+            found = f"a list of {len(node)} there (keys 0 to {len(node) - 1})"
+        else:
+            found = f"a {type(node).__name__} there, which has no entries"
+        raise CheckpointNotFoundError(
+            f"{source} has no entry {key!r} (no {comp!r}; {found}). Pass one of them as key=, "
+            "or key=None for everything.")
+    return node

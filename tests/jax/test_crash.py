@@ -23,16 +23,22 @@ PRELUDE = textwrap.dedent("""
     warnings.simplefilter("ignore")
     import jax, jax.numpy as jnp, numpy as np
     import pitstop
+    from flax import struct
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     DEV = jax.devices()
     MESH8 = Mesh(np.array(DEV).reshape(4, 2), ("x", "y"))
-    MESH4 = Mesh(np.array(DEV[4:]).reshape(2, 2), ("a", "b"))
 
-    def saved():
-        return {"x": jax.device_put(jnp.arange(128, dtype=jnp.float32).reshape(16, 8) / 3,
-                                    NamedSharding(MESH8, P("x", "y"))),
-                "k": jax.device_put(jax.random.split(jax.random.key(0), 8),
-                                    NamedSharding(MESH8, P("x")))}
+    @struct.dataclass
+    class S:
+        params: dict
+        lr: jax.Array
+        key: jax.Array
+        n: int
+
+    def state(v):
+        return {"s": S({"w": jnp.full((4, 4), v, jnp.bfloat16), "b": jnp.full(4, v)},
+                       jnp.asarray(v * 0.1), jax.random.key(int(v), impl="rbg"), int(v)),
+                "x": jax.device_put(jnp.full((16, 8), v), NamedSharding(MESH8, P("x", "y")))}
 
     def same(a, b):
         if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
@@ -47,29 +53,9 @@ def _run(code: str, *args: str, timeout: int = 180) -> subprocess.CompletedProce
                           env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-SAVE = """
-d = sys.argv[1]
-with pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None,
-                               async_save=False) as m:
-    m.save(0, saved()).wait()
-"""
-
 KILLED = """
-import os, signal, functools, dataclasses
-from flax import struct
+import os, signal
 d = sys.argv[1]
-
-@struct.dataclass
-class S:
-    params: dict
-    lr: jax.Array
-    key: jax.Array
-    n: int
-
-def state(v):
-    return {"s": S({"w": jnp.full((4, 4), v, jnp.bfloat16), "b": jnp.full(4, v)},
-                   jnp.asarray(v * 0.1), jax.random.key(int(v), impl="rbg"), int(v)),
-            "x": jax.device_put(jnp.full((16, 8), v), NamedSharding(MESH8, P("x", "y")))}
 
 m = pitstop.CheckpointManager(d, save_on_signals=None, async_save=True)
 m.save(1, state(1.0)).wait()
@@ -78,20 +64,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 RECOVER = """
-from flax import struct
 d = sys.argv[1]
-
-@struct.dataclass
-class S:
-    params: dict
-    lr: jax.Array
-    key: jax.Array
-    n: int
-
-def state(v):
-    return {"s": S({"w": jnp.full((4, 4), v, jnp.bfloat16), "b": jnp.full(4, v)},
-                   jnp.asarray(v * 0.1), jax.random.key(int(v), impl="rbg"), int(v)),
-            "x": jax.device_put(jnp.full((16, 8), v), NamedSharding(MESH8, P("x", "y")))}
 
 with pitstop.CheckpointManager(d, save_on_signals=None) as m:
     tgt = state(0.0)

@@ -4,7 +4,6 @@ saves, load(target=...) roots. A failing test is a defect."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,15 +16,9 @@ train_state = pytest.importorskip("flax.training.train_state")
 optax = pytest.importorskip("optax")
 
 
-def bits(x: Any) -> tuple:
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        d = np.asarray(jax.random.key_data(x))
-        return ("key", str(jax.random.key_impl(x)), d.shape, d.tobytes())
-    a = np.asarray(x)
-    return (isinstance(x, jax.Array), a.shape, a.dtype.name, a.tobytes())
-
-
 # --- dtypes ---------------------------------------------------------------------------------
+
+from jax_helpers import bits  # noqa: E402
 
 DTYPES = {
     "bfloat16": lambda: (jnp.arange(7, dtype=jnp.float32) / 3 - 1).astype(jnp.bfloat16),

@@ -22,29 +22,9 @@ struct = pytest.importorskip("flax.struct")
 train_state = pytest.importorskip("flax.training.train_state")
 from flax.core import FrozenDict  # noqa: E402
 
-
-def bits(x: Any) -> tuple:
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        d = np.asarray(jax.random.key_data(x))
-        return ("key", str(jax.random.key_impl(x)), d.shape, d.tobytes())
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        a = np.asarray(x)
-        return (type(x).__name__ if not isinstance(x, jax.Array) else "jax", a.shape,
-                a.dtype.name, a.tobytes())
-    return (type(x), repr(x))
-
-
-def tree_bits(t: Any) -> list:
-    return [bits(x) for x in jax.tree.leaves(t)]
-
-
-def assert_same_tree(got: Any, want: Any) -> None:
-    assert jax.tree.structure(got) == jax.tree.structure(want), (
-        jax.tree.structure(got), jax.tree.structure(want))
-    assert tree_bits(got) == tree_bits(want)
-
-
 # --- node types ---------------------------------------------------------------------------
+from jax_helpers import assert_same_tree, bits, tree_bits  # noqa: E402
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=[])
 @dataclasses.dataclass

@@ -17,22 +17,9 @@ optax = pytest.importorskip("optax")
 train_state = pytest.importorskip("flax.training.train_state")
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_helpers import bits, tree_bits  # noqa: E402
 
 DEV = jax.devices()
-
-
-def bits(x: Any) -> tuple:
-    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        d = np.asarray(jax.random.key_data(x))
-        return ("key", str(jax.random.key_impl(x)), d.shape, d.tobytes())
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        a = np.asarray(x)
-        return (a.shape, a.dtype.name, a.tobytes())
-    return (type(x), repr(x))
-
-
-def tree_bits(t):
-    return [bits(x) for x in jax.tree.leaves(t)]
 
 
 def _params(v=0.0):

@@ -65,7 +65,8 @@ from ...core.errors import (
     UnsupportedStateError,
 )
 from ...core.manager import CheckpointManager
-from ...core.tree import join, split
+from ...core.tree import join
+from .._convert import read_step
 from ._adapter import IMPL, KEY_DATA, is_typed_key
 
 __all__ = ["import_orbax", "export_orbax"]
@@ -596,29 +597,6 @@ def _to_orbax(obj: Any, path: str = "") -> Any:
         f"state entry {where!r}: a {type(obj).__name__} cannot be exported to Orbax")
 
 
-def _select(tree: Any, key: str | None, source: str) -> Any:
-    """The subtree at pitstop key path ``key`` (``"params"``, ``"opt/0/mu"``)."""
-    if key is None:
-        return tree
-    node = tree
-    for comp in split(key):
-        if isinstance(node, Mapping):
-            found = [k for k in node if str(k) == comp]
-            if found:
-                node = node[found[0]]
-                continue
-            have = ", ".join(sorted(repr(str(k)) for k in node)) or "none"
-        elif isinstance(node, (list, tuple)) and comp.isdigit() and int(comp) < len(node):
-            node = node[int(comp)]
-            continue
-        else:
-            have = "none"
-        raise CheckpointNotFoundError(
-            f"{source} has no entry {key!r} (no {comp!r}; entries there: {have}). Pass one of "
-            "them as key=, or key=None for everything.")
-    return node
-
-
 def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *,
                  key: str | None = None) -> str:
     """Write pitstop checkpoint ``step`` (None: the newest) as step ``step`` of an Orbax
@@ -642,18 +620,8 @@ def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *
     :class:`pitstop.CheckpointWriteError` when Orbax fails to write it.
     """
     ocp = _ocp()
-    step = None if step is None else step_arg(step)
-    reader = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None)
-    try:
-        if step is None:
-            step = reader.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"no checkpoint in {reader.directory} to export")
-        tree = reader.load(step)
-        source = f"step {step} in {reader.directory}"
-    finally:
-        reader.close()
-    tree = _to_orbax(_select(tree, key, source), key or "")
+    step, tree = read_step(pitstop_dir, None if step is None else step_arg(step), key)
+    tree = _to_orbax(tree, key or "")
 
     root = Path(os.path.abspath(os.fspath(orbax_dir)))
     try:

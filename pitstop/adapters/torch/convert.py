@@ -44,7 +44,8 @@ from ...core.errors import (
     UnsupportedStateError,
 )
 from ...core.manager import CheckpointManager
-from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, split
+from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, select, split
+from .._convert import read_step
 from ._adapter import clean_key
 
 log = logging.getLogger("pitstop")
@@ -172,35 +173,6 @@ def _numpy_to_torch_tree(obj: Any, path: str = "") -> Any:
     return obj
 
 
-def _select(obj: Any, key: str | None, source: str) -> Any:
-    """The subtree at ``key`` (a pitstop key path: ``"model"`` or ``"state/model"``)."""
-    if key is None:
-        return obj
-    node = obj
-    for comp in split(key):
-        if isinstance(node, Mapping):
-            if comp in node:
-                node = node[comp]
-                continue
-            if comp.lstrip("-").isdigit() and int(comp) in node:
-                node = node[int(comp)]
-                continue
-        elif isinstance(node, (list, tuple)) and comp.isdigit() and int(comp) < len(node):
-            node = node[int(comp)]
-            continue
-        if isinstance(node, Mapping):
-            have = ", ".join(repr(k) for k in sorted(map(str, node))) or "none"
-            found = f"entries there: {have}"
-        elif isinstance(node, (list, tuple)):
-            found = f"a list of {len(node)} there (keys 0 to {len(node) - 1})"
-        else:
-            found = f"a {type(node).__name__} there, which has no entries"
-        raise CheckpointNotFoundError(
-            f"{source} has no entry {key!r} (no {comp!r}; {found}). Pass one of them as key=, "
-            "or key=None for everything.")
-    return node
-
-
 # ----------------------------------------------------------------------------- module keys
 def _is_module_state_dict(obj: Any) -> bool:
     """A flat ``{"layer.weight": tensor, ...}`` (``_extra_state`` entries may hold anything)."""
@@ -314,19 +286,6 @@ def _refuse_existing(directory: PathLike, step: int) -> None:
             "checkpoint first.")
 
 
-def _read(directory: PathLike, step: int | None, key: str | None) -> tuple[int, Any]:
-    mgr = CheckpointManager(directory, read_only=True, save_on_signals=None)
-    try:
-        if step is None:
-            step = mgr.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"no checkpoint in {mgr.directory}")
-        tree = mgr.load(step)
-    finally:
-        mgr.close()
-    return step, _select(tree, key, f"step {step} in {directory}")
-
-
 def _atomic_write(path: PathLike, write: Any) -> None:
     """Write through a temporary file in the same folder, then rename into place."""
     path = os.fspath(path)
@@ -385,7 +344,7 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
         raise CorruptCheckpointError(
             f"{source}: torch.load cannot read this file ({_reason(e)}); is it a complete "
             "torch.save file?", checkpoint=source) from e
-    tree = _unwrap_module_keys(_select(obj, key, source), strip_prefixes,
+    tree = _unwrap_module_keys(select(obj, key, source), strip_prefixes,
                                f"import_torch_save({source!r})", key)
     state = _torch_to_numpy_tree(tree)
     return _write(state, directory, step, metrics)
@@ -482,7 +441,7 @@ def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | 
     tree = _dcp_keys(_load_dcp(dcp_dir))
     source = os.fspath(dcp_dir)
     state = _torch_to_numpy_tree(_unwrap_module_keys(
-        _select(tree, key, source), strip_prefixes, f"import_dcp({source!r})", key))
+        select(tree, key, source), strip_prefixes, f"import_dcp({source!r})", key))
     return _write(state, directory, step, metrics)
 
 
@@ -531,7 +490,7 @@ def export_torch_save(directory: PathLike, path: PathLike, *, step: int | None =
     torch cannot hold (strings, structured dtypes) raise :class:`pitstop.UnsupportedStateError`.
     Returns the exported step.
     """
-    step, tree = _read(directory, step, key)
+    step, tree = read_step(directory, step, key)
     obj = _numpy_to_torch_tree(tree)
 
     def write(tmp: str) -> None:
@@ -562,7 +521,7 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
     """
     import safetensors.torch as st
 
-    step, tree = _read(directory, step, key)
+    step, tree = read_step(directory, step, key)
     flat = flatten(tree)
     supported = _SAFETENSORS_BASE | set(getattr(st, "_TYPES", {}).values())
     tensors: dict[str, torch.Tensor] = {}
