@@ -171,8 +171,18 @@ def test_a_dropped_manager_commits_and_releases_its_lock(tmp_path):
     m.hooks["before_write"] = lambda step: gate.wait(30)
     m.save(1, state_of(1))
     ref = __import__("weakref").ref(m)
+
+    def release_when_dropped() -> None:
+        # the finalizer runs once the weak reference is dead, and waits for the held save
+        while ref() is not None and not gate.is_set():
+            gate.wait(0.01)
+        gate.set()
+
+    releaser = threading.Thread(target=release_when_dropped)
+    releaser.start()
     del m
     gate.set()
+    releaser.join()
     gc.collect()
     assert ref() is None, "nothing may keep a dropped manager alive"
     again = open_mgr(d)  # the lock was released (no DirectoryLockedError naming our own pid)
