@@ -28,6 +28,28 @@ from test_isolated_suites import ISOLATED  # noqa: E402  (one list, where it is 
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected what they deselect
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The framework folders' runs go last and start now, in the background (see
+    tests/test_isolated_suites.py): they use the core the main process leaves idle."""
+    from test_isolated_suites import Background
+
+    mine = [it for it in items if getattr(it, "originalname", "") ==
+            "test_folder_in_its_own_process"]
+    if not mine:
+        return
+    items[:] = [it for it in items if it not in mine] + mine
+    config.pitstop_isolated = Background([it.callspec.id for it in mine])
+    config.pitstop_isolated.start()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    background = getattr(session.config, "pitstop_isolated", None)
+    if background is not None:
+        background.close()
+        session.config.pitstop_isolated = None
+
+
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     path = Path(collection_path).resolve()
     if path.parent != HERE or path.name not in ISOLATED:

@@ -1,12 +1,21 @@
 """Framework test folders that need a process of their own (tests/conftest.py, ISOLATED),
-each run here as one pytest subprocess, so `pytest tests` covers them too."""
+each run here as one pytest subprocess, so `pytest tests` covers them too.
+
+The runs start in the background as soon as the suite is collected, one after another, and
+these tests (moved to the end of the session by tests/conftest.py) wait for their results:
+on a 2-core machine the main pytest process and one framework run then share the cores,
+instead of the second core idling through the main suite.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,20 +29,74 @@ ISOLATED = {"tf": "tensorflow", "keras": "keras", "jax": "jax"}
 #: backend per process, from KERAS_BACKEND)
 RUNS = [("tf", {}), ("jax", {}),
         *(("keras", {"KERAS_BACKEND": b}) for b in ("jax", "torch", "tensorflow"))]
+IDS = [f"{f}-{e.get('KERAS_BACKEND', '')}".rstrip("-") for f, e in RUNS]
 _BACKEND_MODULE = {"jax": "jax", "torch": "torch", "tensorflow": "tensorflow"}
+TIMEOUT = 1500
 
 
-@pytest.mark.parametrize(("folder", "env"), RUNS,
-                         ids=[f"{f}-{e.get('KERAS_BACKEND', '')}".rstrip("-") for f, e in RUNS])
-def test_folder_in_its_own_process(folder: str, env: dict[str, str]) -> None:
+def missing_module(folder: str, env: dict[str, str]) -> str | None:
     for module in (ISOLATED[folder], _BACKEND_MODULE.get(env.get("KERAS_BACKEND", ""))):
         if module and importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{folder}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1500,
+            return module
+    return None
+
+
+class Background:
+    """The runs, one after another on a thread of their own; ``result(id)`` waits for one."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.wanted = [(i, f, e) for i, (f, e) in zip(IDS, RUNS, strict=True) if i in ids]
+        self.done: dict[str, threading.Event] = {i: threading.Event() for i, _f, _e in self.wanted}
+        self.results: dict[str, subprocess.CompletedProcess | BaseException | None] = {}
+        self.tmp = tempfile.mkdtemp(prefix="pitstop-isolated-")
+        self.thread = threading.Thread(target=self._run_all, name="isolated-suites", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run_all(self) -> None:
+        for ident, folder, env in self.wanted:
+            try:
+                self.results[ident] = None if missing_module(folder, env) else run(
+                    folder, env, os.path.join(self.tmp, ident))
+            except BaseException as e:  # noqa: BLE001 - reported by the waiting test
+                self.results[ident] = e
+            self.done[ident].set()
+
+    def result(self, ident: str) -> subprocess.CompletedProcess | BaseException | None:
+        self.done[ident].wait(TIMEOUT + 60)
+        return self.results.get(ident, TimeoutError(f"{ident} did not finish"))
+
+    def close(self) -> None:
+        self.thread.join(timeout=TIMEOUT + 60)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run(folder: str, env: dict[str, str], basetemp: str) -> subprocess.CompletedProcess:
+    """``pytest tests/<folder>`` in a process of its own (with its own temporary root, so two
+    pytest processes never tidy each other's directories)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
+         f"tests/{folder}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
         env=dict(os.environ, **env, PYTHONPATH=os.pathsep.join(
             [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+
+
+@pytest.mark.parametrize(("folder", "env"), RUNS, ids=IDS)
+def test_folder_in_its_own_process(folder: str, env: dict[str, str], request) -> None:
+    module = missing_module(folder, env)
+    if module is not None:
+        pytest.skip(f"{module} is not installed")
+    ident = request.node.callspec.id
+    background = getattr(request.config, "pitstop_isolated", None)  # tests/conftest.py
+    if background is not None and ident in background.done:
+        r = background.result(ident)
+    else:
+        r = run(folder, env, str(request.getfixturevalue("tmp_path") / "run"))
+    if isinstance(r, BaseException):
+        raise r
+    assert r is not None
     summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"tests/{folder} {env}: {summary}")
     assert r.returncode == 0, f"tests/{folder} {env} failed:\n{r.stdout[-30000:]}\n{r.stderr[-5000:]}"
