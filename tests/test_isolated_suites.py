@@ -1,10 +1,10 @@
 """Framework test folders that need a process of their own (tests/conftest.py, ISOLATED),
 each run here as one pytest subprocess, so `pytest tests` covers them too.
 
-The runs start in the background as soon as the suite is collected, one after another, and
-these tests (moved to the end of the session by tests/conftest.py) wait for their results:
-on a 2-core machine the main pytest process and one framework run then share the cores,
-instead of the second core idling through the main suite.
+The runs start in the background as soon as the suite is collected (tests/conftest.py),
+longest first: one at a time while the main pytest process runs its own tests, so the two
+share a 2-core machine, and two at a time once these tests (moved to the end of the
+session) start waiting for their results, when the main process has nothing left to do.
 """
 
 from __future__ import annotations
@@ -41,21 +41,35 @@ def missing_module(folder: str, env: dict[str, str]) -> str | None:
     return None
 
 
+#: the runs' usual length order on this project's CI machine, longest first (a run missing
+#: here goes last): the last one to start is then a short one
+LONGEST_FIRST = ["keras-tensorflow", "keras-torch", "keras-jax", "tf", "jax"]
+
+
 class Background:
-    """The runs, one after another on a thread of their own; ``result(id)`` waits for one."""
+    """The runs on threads of their own: one worker from the start, a second one once a test
+    waits for a result (``result(id)``), taking the runs longest first."""
 
     def __init__(self, ids: list[str]) -> None:
-        self.wanted = [(i, f, e) for i, (f, e) in zip(IDS, RUNS, strict=True) if i in ids]
-        self.done: dict[str, threading.Event] = {i: threading.Event() for i, _f, _e in self.wanted}
+        wanted = [(i, f, e) for i, (f, e) in zip(IDS, RUNS, strict=True) if i in ids]
+        order = {i: n for n, i in enumerate(LONGEST_FIRST)}
+        self.queue = sorted(wanted, key=lambda w: order.get(w[0], len(order)))
+        self.lock = threading.Lock()
+        self.done: dict[str, threading.Event] = {i: threading.Event() for i, _f, _e in wanted}
         self.results: dict[str, subprocess.CompletedProcess | BaseException | None] = {}
         self.tmp = tempfile.mkdtemp(prefix="pitstop-isolated-")
-        self.thread = threading.Thread(target=self._run_all, name="isolated-suites", daemon=True)
+        self.workers = [threading.Thread(target=self._work, name=f"isolated-suites-{n}",
+                                         daemon=True) for n in range(2)]
 
     def start(self) -> None:
-        self.thread.start()
+        self.workers[0].start()
 
-    def _run_all(self) -> None:
-        for ident, folder, env in self.wanted:
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                if not self.queue:
+                    return
+                ident, folder, env = self.queue.pop(0)
             try:
                 self.results[ident] = None if missing_module(folder, env) else run(
                     folder, env, os.path.join(self.tmp, ident))
@@ -64,11 +78,16 @@ class Background:
             self.done[ident].set()
 
     def result(self, ident: str) -> subprocess.CompletedProcess | BaseException | None:
+        with self.lock:  # the main process has reached these tests: its core is free now
+            if not self.workers[1].is_alive() and self.queue:
+                self.workers[1].start()
         self.done[ident].wait(TIMEOUT + 60)
         return self.results.get(ident, TimeoutError(f"{ident} did not finish"))
 
     def close(self) -> None:
-        self.thread.join(timeout=TIMEOUT + 60)
+        for w in self.workers:
+            if w.is_alive():
+                w.join(timeout=TIMEOUT + 60)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
