@@ -206,12 +206,16 @@ class JaxAdapter:
 def _scalar(x: Any) -> bool:
     if isinstance(x, bool | int | float | np.generic):
         return True
-    return isinstance(x, jax.Array) and x.ndim == 0 and not is_typed_key(x)
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and len(x.shape) == 0 \
+        and not is_typed_key(x)
 
 
 def _scalar_like(value: Any, live: Any) -> Any:
-    """A scalar read fresh from the checkpoint (a 0-d numpy array) as a JAX array where the
-    live child was one, so a resumed run holds what the uninterrupted run held."""
+    """A scalar read fresh from the checkpoint (a 0-d numpy array, or a Python number) as a
+    JAX array where the live child was one (or a ShapeDtypeStruct of one, as its dtype
+    says), so a resumed run holds what the uninterrupted run held."""
+    if isinstance(live, jax.ShapeDtypeStruct) and isinstance(value, np.ndarray | int | float):
+        return jax.numpy.asarray(value, dtype=live.dtype)
     if isinstance(value, np.ndarray) and value.ndim == 0 and isinstance(live, jax.Array):
         return jax.numpy.asarray(value)
     return value

@@ -502,10 +502,14 @@ def import_orbax(orbax_dir: PathLike, pitstop_dir: PathLike, *, step: int | None
         steps, paths = [one], {one: root}
 
     _existing(pitstop_dir, steps)
+    # the first step is read (and matched to target=) before the pitstop directory is made:
+    # a refused import leaves nothing behind
+    first = _read_step(ocp, paths[steps[0]], steps[0], items, target)
     mgr = CheckpointManager(pitstop_dir, **options)
     try:
         for s in steps:
-            state, metrics = _read_step(ocp, paths[s], s, items, target)
+            state, metrics = first if s == steps[0] else _read_step(ocp, paths[s], s, items,
+                                                                     target)
             mgr.save(s, state, metrics).wait()
     finally:
         mgr.close()
@@ -598,7 +602,7 @@ def _to_orbax(obj: Any, path: str = "") -> Any:
 
 
 def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *,
-                 key: str | None = None) -> str:
+                 key: str | None = None, target: Any = None) -> str:
     """Write pitstop checkpoint ``step`` (None: the newest) as step ``step`` of an Orbax
     ``CheckpointManager`` directory ``orbax_dir``, with Orbax's own writer
     (``CheckpointManager.save(step, args=StandardSave(tree))``, the single default item).
@@ -616,12 +620,34 @@ def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *
     :class:`pitstop.UnsupportedStateError` naming the key: ``key=`` exports one entry only
     (``key="params"``).
 
+    pitstop stores a namedtuple's or dataclass's children by position, where Orbax keys them
+    by field name: for a state holding Optax states or Flax dataclasses, pass ``target=``
+    (the live state, or an abstract one of ``jax.ShapeDtypeStruct``). The checkpoint is then
+    loaded into that structure (``load(target=...)``) and written as Orbax would write that
+    state itself, so ``StandardRestore`` into the same abstract state restores it.
+
     Raises :class:`pitstop.StepExistsError` when ``orbax_dir`` already has that step and
     :class:`pitstop.CheckpointWriteError` when Orbax fails to write it.
     """
     ocp = _ocp()
-    step, tree = read_step(pitstop_dir, None if step is None else step_arg(step), key)
-    tree = _to_orbax(tree, key or "")
+    if target is not None:
+        if key is not None:
+            raise InvalidArgumentError(
+                "export_orbax: pass key= or target=, not both (target= describes the whole "
+                "saved state)")
+        reader = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None)
+        try:
+            step = None if step is None else step_arg(step)
+            if step is None:
+                step = reader.latest_step()
+                if step is None:
+                    raise CheckpointNotFoundError(f"no checkpoint in {reader.directory} to export")
+            tree = reader.load(step, target=target)
+        finally:
+            reader.close()
+    else:
+        step, tree = read_step(pitstop_dir, None if step is None else step_arg(step), key)
+        tree = _to_orbax(tree, key or "")
 
     root = Path(os.path.abspath(os.fspath(orbax_dir)))
     try:
