@@ -34,7 +34,7 @@ from . import codecs
 from .dtypes import encode_dtype, is_inexact
 from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .hashing import new_hasher
-from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces, piece_key
+from .manifest import ArrayEntry, Manifest, group_pieces, piece_key
 from .snapshot import Layout, StagingBuffer, StagingPool
 from .storage import Storage
 from .tree import ArrayLeaf, FlatState, NumpyLeaf
@@ -541,7 +541,7 @@ class Engine:
                     manifest.files[fname] = length
                 manifest.arrays.update(entries)
             manifest.arrays = {k: manifest.arrays[k] for k in layout.keys}  # layout order
-            if any(SHARD_MARK in k for k in layout.keys):
+            if layout.sharded:
                 manifest.arrays = group_pieces(manifest.arrays)
             hook = self.hooks.get("before_commit")
             if hook is not None:

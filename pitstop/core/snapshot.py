@@ -14,13 +14,14 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .dtypes import encode_dtype
 from .errors import CheckpointError
+from .manifest import SHARD_MARK
 from .tree import ArrayLeaf
 
 log = logging.getLogger("pitstop")
@@ -48,6 +49,12 @@ class Layout:
     #: index of the first array of each write group (one data file each); every group
     #: starts page-aligned so it can be written with O_DIRECT straight from the buffer
     group_starts: tuple[int, ...] = (0,)
+    #: some keys are shards of one array (piece keys): the manifest groups them; found once
+    #: per layout (however it was made) rather than at every save
+    sharded: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharded", any(SHARD_MARK in k for k in self.keys))
 
     @classmethod
     def of(cls, arrays: dict[str, ArrayLeaf], groups: int = 1) -> Layout:
