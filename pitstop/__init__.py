@@ -8,6 +8,7 @@
 
 from ._version import __version__
 from .adapters.rng import RNG
+from .core.coordination import CoordinationError
 from .core.engine import SaveHandle, SaveStats
 from .core.errors import (
     CheckpointError,
@@ -38,7 +39,7 @@ __all__ = [
     "CheckpointManager", "SaveHandle", "SaveStats", "RNG",
     "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError", "InvalidArgumentError",
     "UnsupportedFormatError", "DirectoryLockedError", "CheckpointNotFoundError",
-    "StepExistsError", "CheckpointWriteError", "UnsupportedStateError",
+    "StepExistsError", "CheckpointWriteError", "UnsupportedStateError", "CoordinationError",
     "EveryNSteps", "EverySeconds", "OnImprovement", "AutoInterval", "AnyOf",
     "KeepLast", "KeepEverySteps", "KeepBest", "KeepAll",
     "__version__",

@@ -151,3 +151,32 @@ def resolve(obj: Any) -> Adapter | None:
             f"{type(obj).__module__}.{type(obj).__qualname__}: this pitstop has no {root} "
             "adapter yet; put numpy arrays (np.asarray(x)) and plain values in the state instead")
     return None
+
+
+def ambient_coordinator() -> Any:
+    """The distributed job this process is a rank of, as a pitstop Coordinator:
+    ``torch.distributed`` initialized with several ranks, or JAX's distributed runtime with
+    several processes; None in a one-process job (nothing is imported to find out)."""
+    td = sys.modules.get("torch.distributed")
+    if td is not None and td.is_available() and td.is_initialized() and \
+            td.get_world_size() > 1:
+        from .torch.distributed import ProcessGroupCoordinator
+        return ProcessGroupCoordinator()
+    jd = sys.modules.get("jax._src.distributed")
+    if jd is not None and getattr(getattr(jd, "global_state", None), "client", None) is not None:
+        from .jax.distributed import JaxCoordinator
+        coord = JaxCoordinator()
+        return coord if coord.world_size > 1 else None
+    return None
+
+
+def ambient_rank() -> tuple[int, int]:
+    """``(rank, ranks)`` of this process in its distributed job; ``(0, 1)`` alone."""
+    td = sys.modules.get("torch.distributed")
+    if td is not None and td.is_available() and td.is_initialized():
+        return td.get_rank(), td.get_world_size()
+    jd = sys.modules.get("jax._src.distributed")
+    if jd is not None and getattr(getattr(jd, "global_state", None), "client", None) is not None:
+        state = jd.global_state
+        return int(state.process_id), int(state.num_processes)
+    return 0, 1

@@ -203,17 +203,19 @@ class Catalog:
                               all_finite=manifest.all_finite)
         with self.lock:
             self.index[manifest.step] = info
-            try:
-                self._retain()
-                self._write_index()
-                if self.dirty:
-                    log.info("pitstop: index and retention are up to date again")
-                self.dirty = False
-            except Exception as e:  # noqa: BLE001 - never the save's failure
-                self.dirty = True
-                log.warning("pitstop: step %d is committed, but updating %s/.pitstop/%s or "
-                            "applying retention failed (%s: %s); retried at the next commit",
-                            manifest.step, self.storage.location, INDEX, type(e).__name__, e)
+            if not self.read_only:  # (another rank than the leader: the leader keeps it)
+                try:
+                    self._retain()
+                    self._write_index()
+                    if self.dirty:
+                        log.info("pitstop: index and retention are up to date again")
+                    self.dirty = False
+                except Exception as e:  # noqa: BLE001 - never the save's failure
+                    self.dirty = True
+                    log.warning("pitstop: step %d is committed, but updating %s/.pitstop/%s "
+                                "or applying retention failed (%s: %s); retried at the next "
+                                "commit", manifest.step, self.storage.location, INDEX,
+                                type(e).__name__, e)
         if self.on_save is not None:
             try:
                 self.on_save(stats)

@@ -16,6 +16,7 @@ runs, and pitstop commits the saves it accepted from ``atexit`` (see the manager
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import socket
@@ -31,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from . import codecs
+from .coordination import CoordinationError, Coordinator, Holding, plan
 from .dtypes import encode_dtype, is_inexact
 from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .hashing import new_hasher
-from .manifest import ArrayEntry, Manifest, group_pieces, piece_key
+from .manifest import SHARD_MARK, ArrayEntry, Manifest, RankView, group_pieces, parse, piece_key
 from .snapshot import Layout, StagingBuffer, StagingPool
 from .storage import Storage
 from .tree import ArrayLeaf, FlatState, NumpyLeaf
@@ -208,7 +210,7 @@ class SaveHandle:
 @dataclass
 class PersistJob:
     step: int
-    buffer: StagingBuffer
+    buffer: StagingBuffer | None
     #: value leaves, already encoded for the manifest (see FlatState.encoded)
     values: dict[str, Any]
     structure: Any
@@ -223,6 +225,13 @@ class PersistJob:
     release_buffer: bool = True
     #: when save() was called (the manifest's created_unix; kept by the memory tier)
     created_unix: float = field(default_factory=time.time)
+    #: global shape of each sharded array of this rank's state (multi-rank saves check
+    #: that the ranks' shards cover them)
+    global_shapes: dict[str, list[int]] = field(default_factory=dict)
+    #: the metrics were not finite (non-finite guard): a multi-rank save skips on every rank
+    nonfinite_metrics: bool = False
+    #: this rank's snapshot failed (no buffer): its part of a multi-rank save only says so
+    failed: str | None = None
 
 
 class Engine:
@@ -232,8 +241,10 @@ class Engine:
                  writer_threads: int, pool: StagingPool, directory_id: str,
                  on_commit: Callable[[Manifest, str, SaveStats], None],
                  tier: Any = None, name_of: Callable[[int], str],
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None, coordinator: Coordinator | None = None) -> None:
         self.storage = storage
+        #: the ranks this engine saves with (None: one process)
+        self.coordinator = coordinator
         self.hash_algorithm = hash_algorithm
         self.compression = compression
         self.writer_threads = max(1, writer_threads)
@@ -264,7 +275,7 @@ class Engine:
     def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
         """Copy every array of ``flat`` into a staging buffer; None when none is free and
         ``block`` is False. This is the whole stall of an asynchronous save."""
-        arrays = flat.arrays if not flat.sharded else pieces_of(flat)
+        arrays = flat.arrays if not flat.sharded else pieces_of(flat, self.coordinator is None)
         sig = [(k, leaf.shape, leaf.dtype) for k, leaf in arrays.items()]
         if sig == self._last_sig and self._last_layout is not None:
             layout = self._last_layout  # same keys, shapes, dtypes: reuse, allocate nothing
@@ -352,7 +363,8 @@ class Engine:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; the save was not taken")
         job.t_start = time.perf_counter()
-        if self.tier is not None and job.buffer.shm_path is not None and job.hashes is None:
+        if self.tier is not None and job.buffer is not None and \
+                job.buffer.shm_path is not None and job.hashes is None:
             # the snapshot is complete in shared memory: describe it now, before save()
             # returns, so a SIGKILL from here on loses nothing of it (same host and boot: a
             # crash cannot tear a tmpfs copy that was complete)
@@ -458,15 +470,25 @@ class Engine:
             error: BaseException | None = None
             manifest = None
             try:
-                manifest = self._persist(job, name)
+                if self.coordinator is not None:
+                    manifest = self._persist_world(job, name, self.coordinator)
+                else:
+                    manifest = self._persist(job, name)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                 err = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
+                    f"{e}. The step is not committed; committed checkpoints are intact."
+                    if isinstance(e, CoordinationError) else
                     f"saving step {job.step} to {self.storage.path_of(name)} failed: "
                     f"{type(e).__name__}: {e}. {self._what_is_left()}",
                     step=job.step, path=self.storage.path_of(name))
                 if err is not e:
                     err.__cause__ = e
-                if not isinstance(e, _Skip):
+                if job.failed is not None:
+                    # this rank's snapshot failed: its caller has that error already; the
+                    # other ranks were told
+                    log.info("pitstop: step %d: the other ranks were told that this rank's "
+                             "snapshot failed", job.step)
+                elif not isinstance(e, _Skip):
                     log.error("pitstop: %s", err)
                     with self._lock:
                         self._errors.append(err)
@@ -474,11 +496,12 @@ class Engine:
                 else:
                     job.handle.stats.skipped = str(e)
                     log.warning("pitstop: step %d not saved: %s", job.step, e)
-                    if self.tier is not None and job.buffer.shm_path is not None:
+                    if self.tier is not None and job.buffer is not None and \
+                            job.buffer.shm_path is not None:
                         # a skipped save must never come back from the memory tier
                         self._tier_call(self.tier.invalidate, job.buffer)
             finally:
-                if job.release_buffer:
+                if job.release_buffer and job.buffer is not None:
                     self.pool.release(job.buffer)
             if manifest is not None:
                 # index and retention, only ever after the commit. Trouble there is not the
@@ -494,34 +517,19 @@ class Engine:
             del job
 
     def _persist(self, job: PersistJob, name: str) -> Manifest:
-        buf, layout = job.buffer, job.buffer.layout
+        buf = job.buffer
+        assert buf is not None
+        layout = buf.layout
         hook = self.hooks.get("before_persist")
         if hook is not None:
             hook(job.step)
         t0 = time.perf_counter()
         # 1. hash (and check finiteness) in parallel; byte-balanced groups become the data files
         groups = layout.groups()
-        if job.hashes is None:
-            parts = self._executor.map(lambda g: self._hash_group(buf, g, job.check_finite),
-                                       groups)
-            hashes: dict[str, str] = {}
-            finite = True
-            for h, f in parts:
-                hashes.update(h)
-                finite &= f
-        else:
-            hashes = job.hashes
-            finite = not job.check_finite or buffer_is_finite(buf)
+        hashes, finite = self._hash_and_seal(job)
         if not finite:
             raise _Skip("an array holds NaN or Inf (non-finite guard)")
         t_hashed = time.perf_counter()
-        all_finite = True if job.check_finite else None
-        # 2. the memory-tier copy is now verifiable: seal it
-        if self.tier is not None and buf.shm_path is not None and job.hashes is None:
-            self._tier_call(self.tier.seal, buf, job, hashes, self.hash_algorithm)
-        hook = self.hooks.get("before_write")
-        if hook is not None:
-            hook(job.step)
         # 3. write data files in parallel, then the manifest last, then publish atomically
         txn = self.storage.begin(name)
         try:
@@ -529,13 +537,7 @@ class Engine:
             results = self._map_all(
                 lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes), enumerate(groups))
             t_written = time.perf_counter()
-            manifest = Manifest(
-                step=job.step, structure=job.structure, hash_algorithm=self.hash_algorithm,
-                metrics=job.metrics, directory_id=self.directory_id, created_unix=job.created_unix,
-                all_finite=all_finite, user_metadata=job.user_metadata,
-                writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid()},
-                values=job.values,
-            )
+            manifest = self._manifest(job, job.structure, job.values)
             for fname, length, entries in results:
                 if fname is not None:
                     manifest.files[fname] = length
@@ -553,6 +555,230 @@ class Engine:
         except BaseException:
             txn.abort()
             raise
+        self._committed(job, txn.location, t0, t_hashed, t_write, t_written)
+        return manifest
+
+    def _persist_world(self, job: PersistJob, name: str, coord: Coordinator) -> Manifest:
+        """One multi-rank save (see :mod:`pitstop.core.coordination`): three exchanges that
+        every rank makes whatever happens locally, so no rank waits for one that gave up."""
+        buf = job.buffer
+        layout = buf.layout if buf is not None else Layout((), (), (), (), (), 0)
+        where = f"saving step {job.step} to {self.storage.path_of(name)}"
+        txn: Any = None
+        failure: BaseException | None = None
+
+        def exchange(doc: dict[str, Any], what: str) -> list[Any]:
+            try:
+                return coord.all_gather_json(doc, what=f"{where}: {what}", channel="persist")
+            except BaseException:
+                if txn is not None:
+                    txn.abort()
+                raise
+
+        def fail_if(answers: list[Any], what: str) -> None:
+            bad = [(r, a["error"]) for r, a in enumerate(answers) if a.get("error")]
+            if not bad:
+                return
+            if txn is not None:
+                txn.abort()
+            text = "; ".join(f"rank {r}: {e}" for r, e in bad)
+            err = CheckpointWriteError(
+                f"{where} failed {what} ({text}). The step is not committed; committed "
+                f"checkpoints are intact.", step=job.step, path=self.storage.path_of(name))
+            raise err from failure
+
+        hook = self.hooks.get("before_persist")
+        t0 = time.perf_counter()
+        hashes: dict[str, str] = {}
+        finite = True
+        try:
+            if job.failed is not None:
+                raise CheckpointError(f"its snapshot failed: {job.failed}")
+            if hook is not None:
+                hook(job.step)
+            hashes, finite = self._hash_and_seal(job)
+            finite = finite and not job.nonfinite_metrics
+            if coord.leader and finite:
+                txn = self.storage.begin(name)
+        except BaseException as e:  # noqa: BLE001 - told to every rank, raised below
+            failure = e
+        t_hashed = time.perf_counter()
+        # 1. what each rank holds; everyone plans the same writes from the answers
+        held = [[k, n, hashes.get(k, "")] for k, n in zip(layout.keys, layout.nbytes,
+                                                             strict=True)]
+        answers = exchange({"step": job.step, "finite": finite, "held": held,
+                            "token": getattr(txn, "token", None),
+                            "error": None if failure is None else _why(failure)},
+                           "exchanging what each rank holds")
+        steps = sorted({a["step"] for a in answers})
+        if len(steps) > 1:
+            if txn is not None:
+                txn.abort()
+            said = ", ".join(f"rank {r}: {a['step']}" for r, a in enumerate(answers))
+            raise CoordinationError(
+                f"{where}: the ranks saved different steps ({said}); every rank must call "
+                "save() / step() with the same step, in the same order")
+        fail_if(answers, "before writing")
+        if not all(a["finite"] for a in answers):
+            if txn is not None:
+                txn.abort()
+            bad = [r for r, a in enumerate(answers) if not a["finite"]]
+            raise _Skip(f"an array holds NaN or Inf on rank(s) {bad} (non-finite guard)")
+        writes, writer = plan([[Holding(k, n, h) for k, n, h in a["held"]] for a in answers])
+        mine = writes[coord.rank]
+        assert buf is not None  # a rank without a snapshot said so, and fail_if raised
+        # 2. every rank writes its part into the leader's temporary checkpoint
+        t_write = time.perf_counter()
+        results: list[Any] = []
+        try:
+            if not coord.leader:
+                txn = self.storage.join(name, answers[0]["token"])
+            groups = [[i for i in g if layout.keys[i] in mine] for g in layout.groups()]
+            results = self._map_all(lambda ig: self._write_group(
+                txn, buf, ig[0], ig[1], hashes, prefix=f"r{coord.rank:05d}-"), enumerate(groups))
+        except BaseException as e:  # noqa: BLE001
+            failure = e
+        t_written = time.perf_counter()
+        files = {f: n for f, n, _e in results if f is not None}
+        entries = {k: _entry_json(e) for _f, _n, es in results for k, e in es.items()}
+        answers_b = exchange({"files": files, "entries": entries, "values": job.values,
+                              "structure": job.structure, "shapes": job.global_shapes,
+                              "error": None if failure is None else _why(failure)},
+                             "collecting what each rank wrote")
+        fail_if(answers_b, "while writing")
+        # 3. the leader checks the whole, writes the manifest and publishes
+        manifest: Manifest | None = None
+        if coord.leader:
+            try:
+                manifest = self._world_manifest(job, name, answers, answers_b, writer)
+                hook = self.hooks.get("before_commit")
+                if hook is not None:
+                    hook(job.step)
+                verify = getattr(self.storage, "verify_held", None)
+                if verify is not None:
+                    verify()
+                txn.commit(manifest.to_bytes())
+            except BaseException as e:  # noqa: BLE001
+                txn.abort()
+                failure = e
+        txn = None  # committed or aborted by the leader: nothing of it is this rank's now
+        outcome = exchange({"error": None if failure is None else _why(failure)},
+                           "publishing the checkpoint")
+        fail_if(outcome, "at the commit")
+        if manifest is None:  # a follower: what its bookkeeping needs of the manifest
+            manifest = self._manifest(job, job.structure, job.values)
+            manifest.world = coord.world_size
+        self._committed(job, self.storage.path_of(name), t0, t_hashed, t_write, t_written)
+        return manifest
+
+    def _world_manifest(self, job: PersistJob, name: str, held: list[Any], wrote: list[Any],
+                        writer: dict[tuple[str, str], int]) -> Manifest:
+        """The manifest of a multi-rank save: rank 0's whole view at the top level, the
+        other ranks' differences in ``world``; sharded arrays assembled from every rank."""
+        where = self.storage.path_of(name)
+        stored: dict[tuple[str, str], ArrayEntry] = {}
+        files: dict[str, int] = {}
+        for r, doc in enumerate(wrote):
+            files.update(doc["files"])
+            hash_of = {k: h for k, _n, h in held[r]["held"]}
+            for k, e in doc["entries"].items():
+                stored[(k, hash_of[k])] = _entry_of(e)
+        # every shard of every sharded array, once (the lowest rank's bytes where replicas
+        # of one shard differ)
+        pieces: dict[str, ArrayEntry] = {}
+        diverged: list[str] = []
+        for r, doc in enumerate(held):
+            for k, _n, h in doc["held"]:
+                if SHARD_MARK not in k:
+                    continue
+                if k in pieces:
+                    if pieces[k].hash != stored[(k, h)].hash:
+                        diverged.append(f"{k} (rank {r})")
+                    continue
+                pieces[k] = stored[(k, h)]
+        if diverged:
+            log.warning("pitstop: %s: replicas of these shards differ between ranks; the "
+                        "lowest rank's bytes were saved: %s", where, ", ".join(diverged[:10]))
+        sharded = group_pieces(pieces)
+        shapes: dict[str, list[int]] = {}
+        for r, doc in enumerate(wrote):
+            for k, shape in doc["shapes"].items():
+                got = sharded.get(k)
+                if got is None or got.shape != shape or shapes.setdefault(k, shape) != shape:
+                    raise CheckpointError(
+                        f"{where}: array {k!r} has global shape {shape} on rank {r}, but the "
+                        f"ranks' shards make {got.shape if got else 'nothing'} (a rank's "
+                        "shard is missing, or the ranks disagree on the array)")
+
+        def view(r: int) -> dict[str, ArrayEntry]:
+            out: dict[str, ArrayEntry] = {}
+            for k, _n, h in held[r]["held"]:
+                base, mark, _ = k.partition(SHARD_MARK)
+                if mark:
+                    if base not in out:
+                        out[base] = sharded[base]
+                else:
+                    out[k] = stored[(k, h)]
+            for k in wrote[r]["shapes"]:
+                out.setdefault(k, sharded[k])  # a sharded array of which it holds no shard
+            return out
+
+        top = view(0)
+        manifest = self._manifest(job, wrote[0]["structure"], wrote[0]["values"])
+        manifest.files = files
+        manifest.arrays = top
+        manifest.world = len(held)
+        for r in range(1, len(held)):
+            mine = view(r)
+            rv = RankView(
+                arrays={k: e for k, e in mine.items() if top.get(k) is not e},
+                absent=[k for k in top if k not in mine])
+            if wrote[r]["values"] != wrote[0]["values"]:
+                rv.values = wrote[r]["values"]
+            if wrote[r]["structure"] != wrote[0]["structure"]:
+                rv.structure = wrote[r]["structure"]
+            manifest.ranks.append(rv)
+        parse(manifest.to_bytes(), where)  # every entry checked (shards cover) before commit
+        return manifest
+
+    def _manifest(self, job: PersistJob, structure: Any, values: dict[str, Any]) -> Manifest:
+        return Manifest(
+            step=job.step, structure=structure, hash_algorithm=self.hash_algorithm,
+            metrics=job.metrics, directory_id=self.directory_id, created_unix=job.created_unix,
+            all_finite=True if job.check_finite else None, user_metadata=job.user_metadata,
+            writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid()},
+            values=values,
+        )
+
+    def _hash_and_seal(self, job: PersistJob) -> tuple[dict[str, str], bool]:
+        """Every array's hash (in parallel) and whether all are finite (when the guard is
+        on); then the memory-tier copy is verifiable: it is sealed."""
+        buf = job.buffer
+        assert buf is not None
+        if job.hashes is None:
+            # several ranks compare raw hashes to write replicated state once
+            world = self.coordinator is not None
+            parts = self._executor.map(
+                lambda g: self._hash_group(buf, g, job.check_finite, world), buf.layout.groups())
+            hashes: dict[str, str] = {}
+            finite = True
+            for h, f in parts:
+                hashes.update(h)
+                finite &= f
+        else:
+            hashes = job.hashes
+            finite = not job.check_finite or buffer_is_finite(buf)
+        if finite and self.tier is not None and buf.shm_path is not None and job.hashes is None:
+            self._tier_call(self.tier.seal, buf, job, hashes, self.hash_algorithm)
+        hook = self.hooks.get("before_write")
+        if finite and hook is not None:
+            hook(job.step)
+        return hashes, finite
+
+    def _committed(self, job: PersistJob, location: str, t0: float, t_hashed: float,
+                   t_write: float, t_written: float) -> None:
+        buf = job.buffer
+        assert buf is not None
         t1 = time.perf_counter()
         stats = job.handle.stats
         stats.persist_s = t1 - t0
@@ -561,13 +787,12 @@ class Engine:
         stats.commit_s = t1 - t_written
         stats.total_s = t1 - job.t_start + stats.stall_s
         stats.committed = True
-        stats.path = txn.location
+        stats.path = location
         if self.tier is not None and buf.shm_path is not None:
             self._tier_call(self.tier.mark_committed, buf)
         log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
                  job.step, stats.bytes / 2**20, stats.stall_s, stats.persist_s,
                  stats.throughput / 2**20)
-        return manifest
 
     def _map_all(self, fn: Callable[[Any], Any], items: Any) -> list[Any]:
         """``fn`` over ``items`` on the I/O threads; waits for *every* call before raising the
@@ -605,34 +830,42 @@ class Engine:
                             "saves go on, but a crash before a commit may lose that save", e)
 
     def _write_group(self, txn: Any, buf: StagingBuffer, index: int, group: list[int],
-                     hashes: dict[str, str]) -> tuple[str | None, int, dict[str, ArrayEntry]]:
+                     hashes: dict[str, str], prefix: str = ""
+                     ) -> tuple[str | None, int, dict[str, ArrayEntry]]:
+        """Write the arrays ``group`` (indices into the layout, ascending) as one data file;
+        a multi-rank save passes the part of a group this rank writes (``prefix``: its
+        rank, so the ranks' file names never collide)."""
         if not group:
             return None, 0, {}
         layout = buf.layout
-        fname = f"data-{index:03d}.bin"
+        fname = f"data-{prefix}{index:03d}.bin"
         entries: dict[str, ArrayEntry] = {}
         raw = self.compression in (None, "none")
-        w = txn.open_write(fname, direct=raw)
+        runs = _runs(group)
+        w = txn.open_write(fname, direct=raw and len(runs) == 1)
         try:
             if raw:
-                # the group is one contiguous, page-aligned region of the staging buffer:
-                # write it as is (with O_DIRECT where the file system allows: no page-cache
-                # copy on the CPU); the region ends on a page boundary, so the file carries
-                # a few bytes of padding after its last array
-                start = layout.offsets[group[0]]
-                end = layout.offsets[group[-1]] + layout.nbytes[group[-1]]
-                if getattr(w, "direct", False):
-                    end = min(-(-end // ALIGN) * ALIGN, buf.buf.size)
-                region = buf.buf[start:end]
-                for pos in range(0, end - start, WRITE_CHUNK):
-                    w.write(region[pos:pos + WRITE_CHUNK])
-                for i in group:
-                    k = layout.keys[i]
-                    entries[k] = ArrayEntry(
-                        dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
-                        file=fname, offset=layout.offsets[i] - start, length=layout.nbytes[i],
-                        hash=hashes[k])
-                length = end - start
+                # each run of consecutive arrays is one contiguous, page-aligned region of
+                # the staging buffer: written as is (a whole group with O_DIRECT where the
+                # file system allows: no page-cache copy on the CPU; the region then ends
+                # on a page boundary, so the file carries a few bytes of padding)
+                pos = 0
+                for run in runs:
+                    start = layout.offsets[run[0]]
+                    end = layout.offsets[run[-1]] + layout.nbytes[run[-1]]
+                    if getattr(w, "direct", False):
+                        end = min(-(-end // ALIGN) * ALIGN, buf.buf.size)
+                    region = buf.buf[start:end]
+                    for at in range(0, end - start, WRITE_CHUNK):
+                        w.write(region[at:at + WRITE_CHUNK])
+                    for i in run:
+                        k = layout.keys[i]
+                        entries[k] = ArrayEntry(
+                            dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
+                            file=fname, offset=pos + layout.offsets[i] - start,
+                            length=layout.nbytes[i], hash=hashes[k])
+                    pos += end - start
+                length = pos
             else:
                 pos = 0
                 for i in group:
@@ -657,14 +890,56 @@ class _Skip(CheckpointError):
     """The save was deliberately not committed (non-finite guard)."""
 
 
-def pieces_of(flat: FlatState) -> dict[str, ArrayLeaf]:
-    """``flat.arrays`` with every sharded leaf replaced by its distinct shards (piece keys)."""
+def _runs(group: list[int]) -> list[list[int]]:
+    """Ascending indices cut into runs of consecutive ones."""
+    if group[-1] - group[0] == len(group) - 1:
+        return [group]  # a whole layout group (every one-process save): one run
+    runs: list[list[int]] = []
+    for i in group:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _entry_json(e: ArrayEntry) -> dict[str, Any]:
+    d = {"dtype": e.dtype, "shape": e.shape, "file": e.file, "offset": e.offset,
+         "length": e.length, "hash": e.hash}
+    if e.codec != "none":
+        d["codec"] = e.codec
+    return d
+
+
+def _entry_of(d: dict[str, Any]) -> ArrayEntry:
+    return ArrayEntry(dtype=d["dtype"], shape=list(d["shape"]), file=d["file"],
+                      offset=d["offset"], length=d["length"], hash=d["hash"],
+                      codec=d.get("codec", "none"))
+
+
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def pieces_of(flat: FlatState, whole: bool = True) -> dict[str, ArrayLeaf]:
+    """``flat.arrays`` with every sharded leaf replaced by its distinct shards (piece keys).
+    ``whole``: one process saves alone, so its shards must be all of each array."""
     out: dict[str, ArrayLeaf] = {}
     for key, leaf in flat.arrays.items():
         if not leaf.sharded:
             out[key] = leaf
             continue
-        for index, piece in leaf.pieces():
+        pieces = leaf.pieces()
+        if whole:
+            held = sum(math.prod(b - a for a, b in index) for index, _p in pieces)
+            if held != math.prod(leaf.shape):
+                raise UnsupportedStateError(
+                    f"state entry {key!r}: this process holds {held} of its "
+                    f"{math.prod(leaf.shape)} elements (global shape {list(leaf.shape)}); the "
+                    "rest is on other ranks. Save it with every rank together (a "
+                    "CheckpointManager made on every rank, distributed='auto'), or gather it "
+                    "first (DTensor.full_tensor(), process_allgather)")
+        for index, piece in pieces:
             out[piece_key(key, index)] = piece
     return out
 

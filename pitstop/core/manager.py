@@ -42,6 +42,7 @@ from .arguments import (
     wrap_os,
 )
 from .catalog import Catalog, create_identity, read_identity, resolve_naming
+from .coordination import CoordinationError, Coordinator
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
 from .errors import (
     CheckpointError,
@@ -71,7 +72,7 @@ from .policy import (
     SavePolicy,
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
-from .recovery import Recovered, recover
+from .recovery import Recovered, recover, recoverable_steps
 from .signals import (
     CONTINUE_SIGNALS,
     DEFAULT_SIGNALS,
@@ -138,6 +139,7 @@ class CheckpointManager:
         on_save: Callable[[SaveStats], None] | None = None,
         step_prefix: str | None = None,
         step_digits: int | None = None,
+        distributed: Any = "auto",
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -149,7 +151,16 @@ class CheckpointManager:
         check_callables(save_policy, retention, on_save)
         check_naming(step_prefix, step_digits)
         check_signals(save_on_signals)  # all of them, before anything is installed or written
-        self.storage = open_directory(directory, durable=durable, create=not read_only)
+        #: the ranks of the distributed job this manager saves with (None: one process)
+        self._coord: Coordinator | None = None if read_only else _coordinator(distributed)
+        self._distributed = distributed
+        #: (rank, ranks) of this process in its distributed job; (0, 1) alone. A read-only
+        #: manager has no coordinator, but restores its own rank's part all the same
+        self._rank_world = (self._coord.rank, self._coord.world_size) if self._coord else \
+            _ambient_rank() if distributed is not False else (0, 1)
+        leader = self._coord is None or self._coord.leader
+        self.storage = open_directory(directory, durable=durable,
+                                      create=not read_only and leader)
         self.directory = self.storage.location
         self.read_only = read_only
         self.async_save = async_save
@@ -192,9 +203,25 @@ class CheckpointManager:
             self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
             return
 
-        lock = wrap_os(self.storage.lock, self.directory)
-        self._res = Resources(self._owner_pid, self.directory, lock=lock)
-        self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
+        coord = self._coord
+        if coord is not None and not coord.leader:
+            # another rank of a distributed job: the leader (rank 0) holds the directory,
+            # names its checkpoints and runs retention; this rank writes its part of each
+            self._res = Resources(self._owner_pid, self.directory)
+            self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
+            lead = coord.all_gather_json({}, what=f"opening {self.directory}")[0]
+            if lead.get("error"):
+                self._finalizer.detach()
+                raise CoordinationError(f"rank 0 could not open the checkpoint directory "
+                                        f"{self.directory}: {lead['error']}")
+        else:
+            try:
+                lock = wrap_os(self.storage.lock, self.directory)
+            except BaseException as e:
+                self._announce(error=e)
+                raise
+            self._res = Resources(self._owner_pid, self.directory, lock=lock)
+            self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
         mp = sys.modules.get("multiprocessing")
         if mp is not None and mp.parent_process() is not None:
             # a multiprocessing worker leaves through os._exit, past atexit: its own exit
@@ -202,18 +229,34 @@ class CheckpointManager:
             mp.util.Finalize(None, Resources.release, args=(self._res, True),
                              exitpriority=10)
         try:
-            identity = read_identity(self.storage, required=True)
-            self.naming = resolve_naming(self.directory, identity.naming if identity else None,
-                                         step_prefix, step_digits)
-            self.directory_id = identity.directory_id if identity else \
-                wrap_os(create_identity, self.directory, self.storage, self.naming)
-            removed = wrap_os(self.storage.cleanup_incomplete, self.directory, self.naming)
-            if removed:
-                log.warning("pitstop: removed %d leftover(s) of interrupted saves in %s: %s",
-                            len(removed), self.directory, ", ".join(removed))
-            self._catalog = Catalog(self.storage, self.directory_id, retention_list,
-                                    read_only=False, naming=self.naming, on_save=on_save)
-            wrap_os(self._catalog.reconcile, self.directory, write=True)
+            if coord is not None and not coord.leader:
+                self.naming = resolve_naming(self.directory, Naming(*lead["naming"]),
+                                             step_prefix, step_digits)
+                self.directory_id = lead["id"]
+                self._catalog = Catalog(self.storage, self.directory_id, retention_list,
+                                        read_only=True, naming=self.naming, on_save=on_save)
+                wrap_os(self._catalog.reconcile, self.directory, write=False)
+            else:
+                try:
+                    identity = read_identity(self.storage, required=True)
+                    self.naming = resolve_naming(
+                        self.directory, identity.naming if identity else None, step_prefix,
+                        step_digits)
+                    self.directory_id = identity.directory_id if identity else \
+                        wrap_os(create_identity, self.directory, self.storage, self.naming)
+                    removed = wrap_os(self.storage.cleanup_incomplete, self.directory,
+                                      self.naming)
+                    if removed:
+                        log.warning("pitstop: removed %d leftover(s) of interrupted saves in "
+                                    "%s: %s", len(removed), self.directory, ", ".join(removed))
+                    self._catalog = Catalog(self.storage, self.directory_id, retention_list,
+                                            read_only=False, naming=self.naming,
+                                            on_save=on_save)
+                    wrap_os(self._catalog.reconcile, self.directory, write=True)
+                except BaseException as e:
+                    self._announce(error=e)
+                    raise
+                self._announce()
 
             # memory tier
             root = memtier_mod.default_root() if memory_tier in (None, True) else (
@@ -223,14 +266,16 @@ class CheckpointManager:
                 raise InvalidArgumentError(
                     "memory_tier=True but /dev/shm is not available; pass a directory on a "
                     "tmpfs, or memory_tier=False")
-            tier = MemoryTier(root, self.directory, self.directory_id) if root else None
+            # each rank keeps its own snapshots (a rank's part of the state)
+            tier = MemoryTier(root, self.directory, self.directory_id, part="" if coord is None
+                              else f"rank {coord.rank} of {coord.world_size}") if root else None
             self.pool = StagingPool(max_in_flight, tier.prefix if tier else None, _pin_hooks(),
                                     on_tier_failure=TierFallback(root) if tier else None)
             self._engine = Engine(
                 self.storage, hash_algorithm=hash_algorithm, compression=compression,
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
                 directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
-                name_of=self.naming.name, copy_threads=copy_threads)
+                name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord)
             self.hooks = self._engine.hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
 
@@ -252,7 +297,20 @@ class CheckpointManager:
 
             self._signals = SignalSaver(save_on_signals)
             self._res.signals = self._signals
-            if tier is not None:
+            if coord is not None:
+                # every rank recovers the same snapshots (their persists are saves of all
+                # ranks together): those that all of them still hold
+                committed = self._catalog.committed_steps()
+                newest = committed[-1] if committed else None
+                mine = sorted(recoverable_steps(tier, newest)) if tier is not None else []
+                held = coord.all_gather_json(mine, what=f"{self.directory}: finding the "
+                                             "snapshots every rank holds in memory")
+                common = set.intersection(*(set(h) for h in held))
+                if tier is not None:
+                    self._recovered_all = recover(tier, self.pool, self._engine, newest,
+                                                  only=common)
+                    self._res.recovered = self._recovered_all
+            elif tier is not None:
                 committed = self._catalog.committed_steps()
                 self._recovered_all = recover(tier, self.pool, self._engine,
                                               committed[-1] if committed else None)
@@ -276,6 +334,8 @@ class CheckpointManager:
         clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)  # training goes on from there
+        if self._coord is not None:
+            return self._step_world(engine, step, state, metrics, clean)
         if self._signals.pending is not None:
             return self._handle_signal(step, state, metrics)
         policy = self._policy
@@ -298,6 +358,30 @@ class CheckpointManager:
             return self._save(step, state, metrics, block=self.on_busy == "wait",
                               periodic=True)
 
+    def _step_world(self, engine: Engine, step: int, state: Any,
+                    metrics: Mapping[str, Any] | None, clean: dict[str, Any] | None
+                    ) -> SaveHandle | None:
+        """``step()`` of one rank: the ranks decide together, so all save the same steps."""
+        want = False
+        if self._policy is not None:
+            ctx = self._ctx
+            ctx.now = time.monotonic()
+            ctx.metrics = clean or None
+            want = self._policy.should_save(step, ctx)
+        exists = step in self._catalog.index or step in engine.pending_steps()
+        busy = want and self.on_busy != "wait" and not self.pool.can_acquire()
+        want, problem, signal = self._agree(step, want, exists or busy, "step")
+        if signal:  # (one that arrives after the exchange is acted on at the next step)
+            return self._handle_signal(step, state, metrics)
+        if not want:
+            return None
+        if problem:
+            log.info("pitstop: step %d not saved: it exists already, or a rank's previous "
+                     "save is still persisting (on_busy='skip')", step)
+            return None
+        with self._api_lock:
+            return self._save(step, state, metrics, block=True, periodic=True)
+
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, *,
              user_metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Save now. Blocks for the snapshot only (and for a free staging buffer); the
@@ -308,6 +392,15 @@ class CheckpointManager:
         engine.raise_pending()
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
+        agreed = 0
+        if self._coord is not None:
+            _want, exists, agreed = self._agree(step, True, step in self._catalog.index or
+                                                step in engine.pending_steps(), "save")
+            if exists:
+                raise StepExistsError(
+                    f"{self._path(step)} already exists or is being saved (on at least one "
+                    "rank); pitstop never overwrites a committed checkpoint. Save under a "
+                    "new step on every rank.")
         with self._api_lock:
             if step in self._catalog.index:
                 raise StepExistsError(
@@ -320,7 +413,7 @@ class CheckpointManager:
                     f"{self._path(step)} (by an earlier save or step() "
                     "call); pitstop never saves a step twice. mgr.wait() waits for it; to save "
                     "the final state of a run, check mgr.latest_step() != step first.")
-            if self._signals.pending is not None:
+            if (self._signals.pending is not None) if self._coord is None else agreed:
                 handle = self._handle_signal(step, state, metrics, user_metadata=user_metadata)
             else:
                 handle = self._save(step, state, metrics, block=True, periodic=False,
@@ -375,7 +468,10 @@ class CheckpointManager:
             if restored is None:
                 if engine is not None and from_memory:
                     engine.drain()
-                restored, report = self._restore_from_disk(flat, step, strict)
+                if self._coord is not None:
+                    restored, report = self._restore_world(flat, step, strict, self._coord)
+                else:
+                    restored, report = self._restore_from_disk(flat, step, strict)
         return restored, report, flat
 
     def rollback(self, state: Any) -> RestoredStep | None:
@@ -424,8 +520,10 @@ class CheckpointManager:
                 continue  # deleted meanwhile (another writer's retention): not corrupt
             try:
                 with self.storage.read_lease(self.naming.name(s)), _no_gc():
-                    return CheckpointReader(self.storage, self.naming.name(s),
-                                            naming=self.naming).load()
+                    reader = CheckpointReader(self.storage, self.naming.name(s),
+                                              naming=self.naming)
+                    self._use_rank(reader)
+                    return reader.load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
                     raise
@@ -509,6 +607,8 @@ class CheckpointManager:
             self._closed = True
         self._finalizer.detach()
         error = self._res.release(False)
+        if self._coord is not None and not isinstance(self._distributed, Coordinator):
+            self._coord.close()  # the groups this manager made
         # a terminating signal that arrived after the last step() or while the saves above
         # were committed: pitstop only deferred it
         pending = self._signals.pending
@@ -579,19 +679,29 @@ class CheckpointManager:
             self._abandon_newer_than(self._rolled_back_to)
         stats = SaveStats(step=step)
         handle = SaveHandle(step, stats)
-        if self.nonfinite_guard and any(
-                isinstance(v, float) and not math.isfinite(v) for v in clean.values()):
+        nonfinite = self.nonfinite_guard and any(
+            isinstance(v, float) and not math.isfinite(v) for v in clean.values())
+        if nonfinite and self._coord is None:
             stats.skipped = "non-finite metrics (non-finite guard)"
             log.warning("pitstop: step %d not saved: %s", step, stats.skipped)
             handle._finish()
             return handle
         t0 = time.perf_counter()
-        with _no_gc():  # the cyclic GC would rescan the heap while we allocate leaf objects
-            flat = flatten(state, self._resolve)
-            if flat.caveats:
-                self._warn_caveats(flat)
-            values = flat.encoded  # made now: later changes to the state are not saved
-            buf = engine.snapshot(flat, step, block=block or not periodic)
+        try:
+            with _no_gc():  # the cyclic GC would rescan the heap while we allocate leaves
+                flat = flatten(state, self._resolve)
+                if flat.caveats:
+                    self._warn_caveats(flat)
+                values = flat.encoded  # made now: later changes to the state are not saved
+                buf = engine.snapshot(flat, step, block=block or not periodic)
+        except BaseException as e:
+            if self._coord is not None:
+                # the other ranks are saving this step: tell them it failed here, rather
+                # than let them wait for this rank until their timeout
+                engine.submit(PersistJob(step=step, buffer=None, values={}, structure=None,
+                                         metrics={}, handle=SaveHandle(step, stats),
+                                         failed=f"{type(e).__name__}: {e}"))
+            raise
         if buf is None:
             stats.skipped = "previous save still persisting (on_busy='skip')"
             log.debug("pitstop: step %d: %s", step, stats.skipped)
@@ -602,7 +712,8 @@ class CheckpointManager:
         stats.arrays = len(flat.arrays)
         job = PersistJob(step=step, buffer=buf, values=values, structure=flat.structure,
                          metrics=clean, handle=handle, user_metadata=user_meta,
-                         check_finite=self.nonfinite_guard)
+                         check_finite=self.nonfinite_guard, nonfinite_metrics=nonfinite,
+                         global_shapes={k: list(flat.arrays[k].shape) for k in flat.sharded})
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
         if len(self.stats) > 1000:
@@ -765,12 +876,62 @@ class CheckpointManager:
             raise err
         return None, None
 
+    def _restore_world(self, flat: FlatState, step: int | None, strict: bool,
+                       coord: Coordinator) -> tuple[int | None, RestoreReport | None]:
+        """The restore of one rank: every rank restores the same step. A checkpoint that any
+        rank finds corrupt (or unreadable) is given up by all of them, which then take the
+        previous one together; any other refusal stops every rank."""
+        lead = coord.all_gather_json(self._committed(hidden=step is not None),
+                                     what=f"restoring from {self.directory}: listing")[0]
+        if step is not None and step not in lead:
+            raise CheckpointNotFoundError(
+                f"no checkpoint of step {step} in {self.directory} (have: {lead[-10:]})")
+        corrupt = 0
+        for s in [step] if step is not None else reversed(lead):
+            outcome, report = "ok", None
+            error: CheckpointError | None = None
+            try:
+                report = self._restore_one(s, flat, strict)
+            except CorruptCheckpointError as e:
+                outcome, error = "corrupt", e
+            except UnsupportedFormatError as e:
+                outcome, error = "newer", e
+            except CheckpointError as e:
+                outcome, error = "refused", e
+            said = coord.all_gather_json([outcome, None if error is None else str(error)],
+                                         what=f"restoring step {s} from {self.directory}")
+            bad = [(r, o, why) for r, (o, why) in enumerate(said) if o != "ok"]
+            if not bad:
+                return s, report
+            text = "; ".join(f"rank {r}: {why}" for r, _o, why in bad)
+            if step is not None or any(o == "refused" for _r, o, _w in bad):
+                if error is not None:
+                    raise error
+                raise CoordinationError(
+                    f"the restore of step {s} from {self.directory} failed on other ranks "
+                    f"({text}); every rank of a job must resume from the same step")
+            msg = (f"pitstop: checkpoint {self._path(s)} could not be restored on every rank "
+                   f"({text}); all ranks fall back to the previous one")
+            log.error(msg)
+            warnings.warn(msg, stacklevel=4)
+            if any(o == "corrupt" for _r, o, _w in bad):
+                corrupt += 1
+                if coord.leader:
+                    self._quarantine(s)
+        if corrupt:
+            raise CorruptCheckpointError(
+                f"no valid checkpoint in {self.directory}: {corrupt} failed verification on "
+                "a rank (moved aside); restore() again starts from scratch",
+                checkpoint=self.directory)
+        return None, None
+
     def _restore_one(self, step: int, flat: FlatState, strict: bool) -> RestoreReport:
         name = self.naming.name(step)
         try:
             with self.storage.read_lease(name):
-                return CheckpointReader(self.storage, name, naming=self.naming).restore_into(
-                    flat, strict)
+                reader = CheckpointReader(self.storage, name, naming=self.naming)
+                self._use_rank(reader)
+                return reader.restore_into(flat, strict)
         except OSError as e:
             raise CheckpointError(f"cannot read {self.storage.path_of(name)}: "
                                   f"{type(e).__name__}: {e}") from e
@@ -825,7 +986,67 @@ class CheckpointManager:
         finally:
             signals.handling = None
 
+    # ================================================================== several ranks
+    def _announce(self, error: BaseException | None = None) -> None:
+        """The leader tells the other ranks how the directory is (or why it could not be)
+        opened; they wait for it in their constructors."""
+        coord = self._coord
+        if coord is None:
+            return
+        if error is not None:
+            with contextlib.suppress(CheckpointError):
+                coord.all_gather_json({"error": f"{type(error).__name__}: {error}"},
+                                      what=f"opening {self.directory}")
+            return
+        coord.all_gather_json({"id": self.directory_id,
+                               "naming": [self.naming.prefix, self.naming.digits]},
+                              what=f"opening {self.directory}")
+
+    def _agree(self, step: int, want: bool, exists: bool, call: str
+               ) -> tuple[bool, bool, int]:
+        """Every rank's view of this step boundary: whether any wants to save, whether the
+        step exists anywhere, and the signal to act on now (0: none): one any rank had
+        received when it called, which becomes every rank's, so all of them save at this
+        step and then act on it."""
+        coord = self._coord
+        assert coord is not None
+        signal = self._signals.pending or 0
+        said = coord.all_gather_ints([step, int(want), signal, int(exists)],
+                                     what=f"{call}({step}) in {self.directory}")
+        steps = [a[0] for a in said]
+        if len(set(steps)) > 1:
+            raise CoordinationError(
+                f"{call}() was called with different steps on the ranks ("
+                + ", ".join(f"rank {r}: {x}" for r, x in enumerate(steps))
+                + f") in {self.directory}; every rank must call it with the same step, in "
+                "the same order")
+        signal = max(a[2] for a in said)
+        if signal and self._signals.pending is None:
+            self._signals.pending = signal  # received by another rank: acted on here too
+        return any(a[1] for a in said), any(a[3] for a in said), signal
+
     # ================================================================== helpers
+    def _use_rank(self, reader: CheckpointReader) -> None:
+        """Read a checkpoint written by several ranks as this rank's part of it: its own
+        when the job has as many ranks; on another number of ranks, sharded arrays are
+        resharded and replicated state is the same everywhere, and what differed between
+        the saving ranks comes from saved rank ``rank % saved`` (said once, by name)."""
+        m = reader.manifest
+        if m.world == 1:
+            return
+        rank, world = self._rank_world
+        src = rank if m.world == world else rank % m.world
+        if m.world != world:
+            specific = m.rank_specific()
+            if specific:
+                self._warn_once(
+                    f"world:{m.step}:{world}",
+                    f"pitstop: {reader.where} was saved by {m.world} ranks and is restored by "
+                    f"{world}: sharded arrays are resharded and replicated ones are the same on "
+                    f"every rank, but these entries differed between the saving ranks, and "
+                    f"rank {rank} gets saved rank {src}'s: {_some_keys(specific)}")
+        reader.manifest = m.view(src)
+
     def _check_usable(self) -> None:
         if _pid[0] != self._owner_pid:
             raise CheckpointError(
@@ -853,6 +1074,32 @@ class CheckpointManager:
         if self._abandoned and not hidden:
             steps = [s for s in steps if s not in self._abandoned]
         return steps
+
+
+def _ambient_rank() -> tuple[int, int]:
+    from ..adapters.registry import ambient_rank
+    return ambient_rank()
+
+
+def _coordinator(distributed: Any) -> Coordinator | None:
+    """The ranks a manager saves with: ``"auto"`` finds the distributed job this process is
+    a rank of (``torch.distributed`` initialized with several ranks, or JAX's distributed
+    runtime); False: this process alone; a :class:`Coordinator`: those ranks."""
+    if isinstance(distributed, Coordinator):
+        return distributed if distributed.world_size > 1 else None
+    if distributed is False:
+        return None
+    if distributed == "auto" or distributed is True:
+        from ..adapters.registry import ambient_coordinator
+        coord = ambient_coordinator()
+        if coord is None and distributed is True:
+            raise InvalidArgumentError(
+                "distributed=True, but this process is not a rank of a distributed job with "
+                "several ranks (torch.distributed.init_process_group or "
+                "jax.distributed.initialize first)")
+        return coord
+    raise InvalidArgumentError(
+        f"distributed must be 'auto', True, False or a pitstop Coordinator, got {distributed!r}")
 
 
 def _skeleton(target: Any, resolve: Callable[[Any], Any]) -> Any:
@@ -892,6 +1139,11 @@ def _skeleton(target: Any, resolve: Callable[[Any], Any]) -> Any:
 
 _PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
 _NONE = object()
+
+
+def _some_keys(keys: list[str]) -> str:
+    return ", ".join(map(repr, keys[:10])) + (f" (+{len(keys) - 10} more)"
+                                              if len(keys) > 10 else "")
 
 
 def _overwritten(errors: list[CorruptCheckpointError]) -> str:

@@ -24,6 +24,9 @@ FORMAT_VERSION = "1.1"
 #: before shards says "upgrade pitstop" instead of calling the checkpoint corrupt (a manifest
 #: without shards is still written as 1.1, which every 1.x reader reads)
 SHARDED_VERSION = "2.0"
+#: a checkpoint written by several ranks (a ``world`` section): the top level is rank 0's
+#: whole view, so a 2.0 reader still reads it as one process would (rank 0's state)
+WORLD_VERSION = "2.1"
 MAJOR = 2
 #: separates a key path from a shard's index in the engine's piece keys; ``~`` is always
 #: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
@@ -124,12 +127,19 @@ class Manifest:
     writer: dict[str, Any] = field(default_factory=dict)
     user_metadata: dict[str, Any] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
+    #: how many ranks wrote it (1: one process)
+    world: int = 1
+    #: ranks 1.. of a multi-rank checkpoint: how each one's view differs from the top level
+    #: (rank 0's): :class:`RankView` (empty for one process)
+    ranks: list[RankView] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         sharded = any(e.shards is not None for e in self.arrays.values())
+        version = WORLD_VERSION if self.world > 1 else \
+            SHARDED_VERSION if sharded else FORMAT_VERSION
         doc = {
             "format": FORMAT,
-            "format_version": SHARDED_VERSION if sharded else FORMAT_VERSION,
+            "format_version": version,
             "step": self.step,
             "created_unix": self.created_unix,
             "directory_id": self.directory_id,
@@ -144,6 +154,8 @@ class Manifest:
             "values": self.values,
             "structure": self.structure,
         }
+        if self.world > 1:
+            doc["world"] = {"size": self.world, "ranks": [{}] + [r.to_json() for r in self.ranks]}
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         return seal(body, self.hash_algorithm)
 
@@ -152,8 +164,76 @@ class Manifest:
         return sum(math.prod(e.shape) * decode_dtype(e.dtype).itemsize for e in self.arrays.values())
 
     def stored(self) -> list[tuple[str, ArrayEntry]]:
-        """Every stored run of bytes as ``(key, entry)``: a sharded array's shards each."""
-        return [(k, p) for k, e in self.arrays.items() for p in e.parts]
+        """Every stored run of bytes as ``(key, entry)``: a sharded array's shards each, and
+        the arrays only other ranks have (each stored run once)."""
+        out = [(k, p) for k, e in self.arrays.items() for p in e.parts]
+        seen = {(p.file, p.offset) for _k, p in out}
+        for r in self.ranks:
+            for k, e in r.arrays.items():
+                for p in e.parts:
+                    if (p.file, p.offset) not in seen:
+                        seen.add((p.file, p.offset))
+                        out.append((k, p))
+        return out
+
+    def view(self, rank: int) -> Manifest:
+        """What rank ``rank`` saved: its structure, values and arrays (rank 0's view for a
+        one-process checkpoint or rank 0)."""
+        if rank == 0 or not self.ranks:
+            return self
+        r = self.ranks[rank - 1]
+        arrays = {k: e for k, e in self.arrays.items() if k not in r.absent}
+        arrays.update(r.arrays)
+        return Manifest(
+            step=self.step, arrays=arrays,
+            values=self.values if r.values is None else r.values,
+            structure=self.structure if r.structure is _SAME else r.structure,
+            files=self.files, hash_algorithm=self.hash_algorithm, metrics=self.metrics,
+            directory_id=self.directory_id, created_unix=self.created_unix,
+            all_finite=self.all_finite, writer=self.writer, user_metadata=self.user_metadata,
+            format_version=self.format_version, world=self.world)
+
+    def rank_specific(self) -> list[str]:
+        """Keys whose saved value differs between ranks (per-rank state: RNG streams, a
+        sampler's position ...): what a restore on another world size cannot reshard."""
+        keys: set[str] = set()
+        for r in self.ranks:
+            keys.update(r.arrays)
+            keys.update(r.absent)
+            if r.values is not None:
+                keys.update(k for k in set(r.values) | set(self.values)
+                            if r.values.get(k, _SAME) != self.values.get(k, _SAME))
+        return sorted(keys)
+
+
+#: marks a rank view's structure as the top level's
+_SAME: Any = object()
+
+
+@dataclass
+class RankView:
+    """How one rank's saved view differs from rank 0's (the manifest's top level)."""
+
+    #: its arrays that rank 0 does not have, or whose bytes differ from rank 0's
+    arrays: dict[str, ArrayEntry] = field(default_factory=dict)
+    #: top-level arrays this rank does not have
+    absent: list[str] = field(default_factory=list)
+    #: its value leaves (None: the same as rank 0's)
+    values: dict[str, Any] | None = None
+    #: its structure (``_SAME``: the same as rank 0's)
+    structure: Any = _SAME
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        if self.arrays:
+            d["arrays"] = {k: e.to_json() for k, e in self.arrays.items()}
+        if self.absent:
+            d["absent"] = self.absent
+        if self.values is not None:
+            d["values"] = self.values
+        if self.structure is not _SAME:
+            d["structure"] = self.structure
+        return d
 
 
 _HASH_KEY = b',"manifest_hash":"'
@@ -307,24 +387,30 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         if not isinstance(length, int) or length < 0:
             raise ValueError(f"file {name}: bad length {length!r}")
         files[name] = length
-    arrays: dict[str, ArrayEntry] = {}
-    for key, e in doc["arrays"].items():
-        shape = _shape(e["shape"], key)
-        if "shards" in e:
-            if not isinstance(e["shards"], list) or not e["shards"]:
-                raise ValueError(f"array {key!r}: shards is not a non-empty list")
-            shards = [_stored(s, key, where, files, e["dtype"], shape) for s in e["shards"]]
-            _check_cover(shards, shape, key, where)
-            arrays[key] = ArrayEntry(dtype=e["dtype"], shape=shape, file="", offset=0, length=0,
-                                     hash="", shards=shards)
-            continue
-        arrays[key] = _stored(e, key, where, files, e["dtype"], shape)
+    arrays = {key: _entry(e, key, where, files) for key, e in doc["arrays"].items()}
     values = doc.get("values", {})
     if not isinstance(values, dict):
         raise ValueError("values is not an object")
     both = sorted(set(values) & set(arrays))
     if both:
         raise ValueError(f"{both[:3]} are both arrays and values")
+    world, ranks = 1, []
+    if "world" in doc:
+        world = doc["world"]["size"]
+        sections = doc["world"]["ranks"]
+        if type(world) is not int or world < 2 or not isinstance(sections, list) or \
+                len(sections) != world or sections[0] != {}:
+            raise ValueError(f"world: size {world!r} with {len(sections)} rank sections")
+        for r, sec in enumerate(sections[1:], 1):
+            view = RankView(
+                arrays={k: _entry(e, k, where, files) for k, e in sec.get("arrays", {}).items()},
+                absent=list(sec.get("absent", [])),
+                values=sec.get("values"), structure=sec.get("structure", _SAME))
+            if view.values is not None and not isinstance(view.values, dict):
+                raise ValueError(f"world: rank {r}'s values are not an object")
+            if not all(isinstance(k, str) and k in arrays for k in view.absent):
+                raise ValueError(f"world: rank {r}'s absent arrays are not top-level arrays")
+            ranks.append(view)
     step = doc["step"]
     if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError(f"step {step!r} is not an integer")
@@ -338,5 +424,18 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         directory_id=doc.get("directory_id"), created_unix=float(doc.get("created_unix", 0.0)),
         all_finite=doc.get("all_finite"), writer=dict(doc.get("writer") or {}),
         user_metadata=dict(decode_value(doc.get("user_metadata") or {})),
-        format_version=str(doc["format_version"]),
+        format_version=str(doc["format_version"]), world=world, ranks=ranks,
     )
+
+
+def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int]) -> ArrayEntry:
+    """One array's entry: stored whole, or sharded (its shards must cover it exactly)."""
+    shape = _shape(e["shape"], key)
+    if "shards" in e:
+        if not isinstance(e["shards"], list) or not e["shards"]:
+            raise ValueError(f"array {key!r}: shards is not a non-empty list")
+        shards = [_stored(s, key, where, files, e["dtype"], shape) for s in e["shards"]]
+        _check_cover(shards, shape, key, where)
+        return ArrayEntry(dtype=e["dtype"], shape=shape, file="", offset=0, length=0,
+                          hash="", shards=shards)
+    return _stored(e, key, where, files, e["dtype"], shape)

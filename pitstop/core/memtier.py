@@ -50,17 +50,19 @@ def default_root() -> str | None:
 
 
 class MemoryTier:
-    def __init__(self, root: str, directory: str, directory_id: str) -> None:
+    def __init__(self, root: str, directory: str, directory_id: str, part: str = "") -> None:
         self.root = root
         self.directory = os.path.realpath(directory)
         self.directory_id = directory_id
+        #: which rank's part of a multi-rank job's state these snapshots hold ("" alone)
+        self.part = part
         self._host = socket.gethostname()
         self._boot = boot_id()
         self._layout_of: Any = None
         self._layout_json = ""
         # the real path is part of the name: a copied run directory keeps its directory_id,
         # and must not share (and truncate) the original's live buffers
-        where = hashlib.sha1(self.directory.encode()).hexdigest()[:8]
+        where = hashlib.sha1((self.directory + part).encode()).hexdigest()[:8]
         self.prefix = os.path.join(root, f"pitstop-{directory_id}-{where}")
 
     def meta_path(self, buf: StagingBuffer) -> str:
@@ -92,7 +94,7 @@ class MemoryTier:
         head = {
             "host": self._host, "boot_id": self._boot, "pid": os.getpid(),
             "directory": self.directory, "directory_id": self.directory_id,
-            "step": job.step, "committed": False,
+            "part": self.part, "step": job.step, "committed": False,
             "hashes": hashes, "hash_algorithm": algorithm,
             "values": job.values,
             "structure": job.structure, "metrics": job.metrics,
@@ -150,10 +152,12 @@ class MemoryTier:
                 continue
             try:
                 with open(path) as f:
-                    written_for = json.load(f).get("directory")
+                    meta = json.load(f)
+                written_for, part = meta.get("directory"), meta.get("part", "")
             except (OSError, ValueError, AttributeError):
                 continue
-            if isinstance(written_for, str) and not os.path.exists(written_for):
+            if isinstance(written_for, str) and not os.path.exists(written_for) and \
+                    part == self.part:
                 moved.append(path)
         return own + moved
 
@@ -166,6 +170,8 @@ class MemoryTier:
             return "written on another host or before a reboot"
         if meta.get("directory_id") != self.directory_id:
             return "written for another checkpoint directory"
+        if meta.get("part", "") != self.part:
+            return "another rank's part of the state"
         if meta.get("directory") != self.directory and (
                 not isinstance(meta.get("directory"), str) or os.path.exists(meta["directory"])):
             # a copy of this directory (same id) elsewhere: never use or touch its snapshot;

@@ -33,15 +33,24 @@ class Recovered:
     handle: SaveHandle
 
 
+def recoverable_steps(tier: MemoryTier, newest_committed: int | None) -> set[int]:
+    """The steps of the trusted snapshots :func:`recover` would consider (not yet verified)."""
+    return {int(meta["step"]) for meta, _p in tier.candidates()
+            if tier.trusted(meta, newest_committed) is None}
+
+
 def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
-            newest_committed: int | None) -> list[Recovered]:
+            newest_committed: int | None, only: set[int] | None = None) -> list[Recovered]:
     """Adopt every trusted snapshot of ``tier`` newer than what is committed (oldest first;
     with ``max_in_flight`` > 1 a crash can leave several, each a save that had returned),
-    submit their persists, and delete the rest."""
+    submit their persists, and delete the rest. ``only``: the steps a multi-rank job's
+    ranks all hold (the others are deleted)."""
     keep: set[str] = set()
     recovered: list[Recovered] = []
     for meta, buf_path in reversed(tier.candidates()):  # oldest first: commit in order
         why = tier.trusted(meta, newest_committed)
+        if why is None and only is not None and meta["step"] not in only:
+            why = "not every rank of the job holds this step"
         if why is not None:
             log.info("pitstop: ignoring memory-tier snapshot %s: %s", buf_path, why)
             continue

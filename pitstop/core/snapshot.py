@@ -192,6 +192,12 @@ class StagingPool:
         self.buffers: list[StagingBuffer] = []
         self.cond = threading.Condition()
 
+    def can_acquire(self) -> bool:
+        """True when :meth:`acquire` would not wait now (and will not until this thread
+        acquires: only it takes buffers, the engine only gives them back)."""
+        with self.cond:
+            return len(self.buffers) < self.capacity or any(not b.busy for b in self.buffers)
+
     def acquire(self, layout: Layout, block: bool) -> StagingBuffer | None:
         with self.cond:
             while True:

@@ -35,6 +35,8 @@ class Writer(ABC):
 class Transaction(ABC):
     name: str
     location: str
+    #: what other ranks pass to :meth:`Storage.join` to write into this transaction
+    token: str | None = None
 
     @abstractmethod
     def open_write(self, relpath: str, direct: bool = False) -> Writer:
@@ -93,6 +95,13 @@ class Storage(ABC):
     def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
         """Atomically replace a small directory-level file (fsynced unless ``durable`` is
         False: for derived data that can be rebuilt from the checkpoints themselves)."""
+
+    def join(self, name: str, token: str) -> Transaction:
+        """Another rank's part of the transaction ``begin(name)`` made on the leader (its
+        ``token``): ``open_write`` adds files to it; ``abort`` removes this part's files;
+        only the leader commits."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot hold a checkpoint written by several ranks")
 
     def delete_if_unread(self, name: str) -> bool:
         """Delete ``name`` unless a reader holds it; backends without read leases just delete."""

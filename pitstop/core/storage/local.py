@@ -100,18 +100,31 @@ class _FileWriter(Writer):
 
 
 class _LocalTransaction(Transaction):
-    def __init__(self, storage: LocalStorage, name: str) -> None:
+    def __init__(self, storage: LocalStorage, name: str, token: str | None = None) -> None:
         self.storage = storage
         self.name = name
-        self.tmp = os.path.join(storage.location, tmp_name(name, uuid.uuid4().hex[:8]))
-        os.mkdir(self.tmp)
+        #: None: the leader's (it made the directory); else another rank's part of it
+        self.joined = token
+        self.token = token or uuid.uuid4().hex[:8]
+        self.tmp = os.path.join(storage.location, tmp_name(name, self.token))
+        if token is None:
+            os.mkdir(self.tmp)
+        elif not os.path.isdir(self.tmp):
+            raise FileNotFoundError(errno.ENOENT, "the leader's temporary checkpoint is gone "
+                                    "(aborted, or another file system than the leader's)",
+                                    self.tmp)
         self.location = os.path.join(storage.location, name)
+        self.written: list[str] = []
 
     def open_write(self, relpath: str, direct: bool = False) -> Writer:
-        return _FileWriter(os.path.join(self.tmp, relpath), self.storage.durable,
-                           direct and self.storage.direct_io)
+        path = os.path.join(self.tmp, relpath)
+        w = _FileWriter(path, self.storage.durable, direct and self.storage.direct_io)
+        self.written.append(path)
+        return w
 
     def commit(self, manifest: bytes) -> None:
+        if self.joined is not None:
+            raise RuntimeError("only the leader's transaction commits")
         w = _FileWriter(os.path.join(self.tmp, MANIFEST), self.storage.durable)
         try:
             w.write(manifest)
@@ -132,7 +145,12 @@ class _LocalTransaction(Transaction):
             fsync_dir(self.storage.location)
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.joined is None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        for path in self.written:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class LocalStorage(Storage):
@@ -150,6 +168,11 @@ class LocalStorage(Storage):
     # ------------------------------------------------------------------ writes
     def begin(self, name: str) -> Transaction:
         return _LocalTransaction(self, name)
+
+    def join(self, name: str, token: str) -> Transaction:
+        if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{8}", token):
+            raise ValueError(f"not a transaction token of this storage: {token!r}")
+        return _LocalTransaction(self, name, token)
 
     def delete(self, name: str) -> None:
         path = os.path.join(self.location, name)
