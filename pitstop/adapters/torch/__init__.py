@@ -36,6 +36,7 @@ from ._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from ._sampler import ResumableLoader, ResumableSampler
 from ._workers import worker_death_hint
 from .convert import export_safetensors, export_torch_save, import_dcp, import_torch_save
+from .distributed import ProcessGroupCoordinator
 
 for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter(),
                  SamplerAdapter()):
@@ -51,4 +52,5 @@ if worker_death_hint not in exception_hints:
 
 __all__ = ["ResumableSampler", "ResumableLoader", "TensorLeaf", "unwrap_module",
            "numpy_dtype", "torch_dtype",
-           "import_torch_save", "import_dcp", "export_torch_save", "export_safetensors"]
+           "import_torch_save", "import_dcp", "export_torch_save", "export_safetensors",
+           "ProcessGroupCoordinator"]

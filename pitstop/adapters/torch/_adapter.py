@@ -25,7 +25,8 @@ from torch import nn
 
 from pitstop.core.errors import CheckpointError, IncompatibleTargetError, UnsupportedStateError
 
-from ._leaf import TensorLeaf, to_tensor
+from ._dtensor import dtensor_like, is_dtensor
+from ._leaf import TensorLeaf, tensor_leaf, to_tensor
 from ._sampler import ResumableLoader, ResumableSampler
 
 _WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule keeps the real module here
@@ -56,7 +57,7 @@ def _wrap(tree: Any, where: str) -> Any:
     """Copy the containers of ``tree`` with every tensor replaced by a TensorLeaf; each copy
     keeps its container's type (see :func:`_like`)."""
     if isinstance(tree, torch.Tensor):
-        return TensorLeaf(tree, where)
+        return tensor_leaf(tree, where)
     if isinstance(tree, Mapping):
         return _like(tree, [(k, _wrap(v, f"{where}/{k}" if where else str(k)))
                             for k, v in tree.items()])
@@ -137,11 +138,11 @@ class TensorAdapter:
         return isinstance(obj, torch.Tensor)
 
     def capture(self, obj: torch.Tensor) -> Any:
-        return TensorLeaf(obj)
+        return tensor_leaf(obj)
 
     def apply(self, obj: torch.Tensor, tree: Any) -> None:
         if isinstance(tree, np.ndarray):  # not restored in place: copy it in
-            TensorLeaf(obj).assign(tree)
+            tensor_leaf(obj).assign(tree)
 
 
 class ModuleAdapter:
@@ -156,7 +157,7 @@ class ModuleAdapter:
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             key = clean_key(key)
-            out[key] = TensorLeaf(value, key) if isinstance(value, torch.Tensor) else value
+            out[key] = tensor_leaf(value, key) if isinstance(value, torch.Tensor) else value
         return out
 
     def replaceable(self, obj: nn.Module) -> list[str]:
@@ -316,6 +317,23 @@ class OptimizerAdapter:
             raise _refused(obj, e, "Build the optimizer as the run that saved it did (same "
                            "class, same parameter groups).") from e
         _keep_saved_dtypes(obj, given)
+        _shard_like_params(obj)
+
+
+def _shard_like_params(opt: torch.optim.Optimizer) -> None:
+    """Lay out as its parameter each whole plain state tensor that ``load_state_dict`` put
+    beside a DTensor parameter (FSDP2, tensor parallel): the checkpoint's state, read whole
+    because the live optimizer had none yet (no step taken). Each rank keeps its region of it,
+    as ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` would."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state or not is_dtensor(p):
+                continue
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and not is_dtensor(v) \
+                        and tuple(v.shape) == tuple(p.shape):
+                    state[k] = dtensor_like(p, v)
 
 
 def _keep_saved_dtypes(opt: torch.optim.Optimizer, given: Mapping[str, Any]) -> None:

@@ -4,7 +4,8 @@ CPU tensors are read and written through a numpy view of their own storage (no c
 bfloat16 and float8 tensors are viewed as same-width integers and then as the matching
 ``ml_dtypes`` type, so every byte goes through bit-exact. CUDA tensors are copied with
 ``non_blocking=True`` into the (page-locked) staging buffer and the snapshot waits once,
-in :attr:`TensorLeaf.snapshot_fence`, for all of them.
+in :attr:`TensorLeaf.snapshot_fence`, for all of them. A DTensor (FSDP2, tensor parallel)
+becomes a sharded leaf of its global shape (``_dtensor.DTensorLeaf``, see :func:`tensor_leaf`).
 """
 
 from __future__ import annotations
@@ -128,10 +129,15 @@ class TensorLeaf(ArrayLeaf):
                 f"{named(where)} is {kind}; pitstop saves dense tensors with data. "
                 "Materialize it (e.g. .dequantize(), .to_padded_tensor(0), or run "
                 "reset_parameters()/to_empty() before saving).")
-        if type(tensor).__name__ in ("DTensor", "ShardedTensor"):
+        if type(tensor).__name__ == "ShardedTensor":
             raise UnsupportedStateError(
-                f"{named(where)} is a {type(tensor).__name__}; save its local shard per "
-                "rank (tensor.to_local()) or gather it first (full_tensor()).")
+                f"{named(where)} is a ShardedTensor (deprecated by torch); convert the model "
+                "to DTensor (FSDP2 fully_shard, torch.distributed.tensor) or save each "
+                "rank's local_shards() as separate entries.")
+        if type(tensor).__name__ == "DTensor":
+            raise UnsupportedStateError(
+                f"{named(where)} is a DTensor, which a TensorLeaf cannot hold; build its leaf "
+                "with pitstop.adapters.torch._leaf.tensor_leaf() (a sharded DTensorLeaf)")
         #: the live tensor itself (not a detached alias: apply hands this very object back)
         self.tensor = tensor
         #: its key inside the object that holds it ("" for a tensor placed in the state)
@@ -195,6 +201,16 @@ class TensorLeaf(ArrayLeaf):
 
     def __repr__(self) -> str:
         return f"TensorLeaf({self.tensor.dtype}{list(self.shape)} on {self.tensor.device})"
+
+
+def tensor_leaf(tensor: torch.Tensor, where: str = "") -> TensorLeaf:
+    """The leaf for any tensor: a :class:`TensorLeaf`, or for a DTensor (FSDP2, tensor
+    parallel) a sharded ``DTensorLeaf`` of its global shape holding this rank's shard."""
+    from ._dtensor import DTensorLeaf, is_dtensor
+
+    if is_dtensor(tensor):
+        return DTensorLeaf(tensor, where)
+    return TensorLeaf(tensor, where)
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:

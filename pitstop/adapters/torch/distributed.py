@@ -1,0 +1,109 @@
+"""Multi-rank saves on ``torch.distributed``: the ranks' agreement runs on the job's own
+process group, through two gloo groups of pitstop's own.
+
+Why groups of its own: the engine's commit runs on a background thread while training runs
+its collectives (NCCL all-reduces of DDP/FSDP) on the default group; collectives of two
+threads on one group would interleave differently on different ranks. gloo works on host
+memory (pitstop exchanges a few kilobytes of JSON, never tensors of the state) and honours
+a timeout, so a rank that died or hangs becomes an error on the others, not a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...core.coordination import CoordinationError, Coordinator
+from ...core.errors import InvalidArgumentError
+
+#: how long a rank waits for the others in one exchange by default (the slowest rank's
+#: write of its part of a save is inside one)
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _gloo_reason(e: BaseException) -> str:
+    """gloo's message without its source location and advice: "Connection closed by peer
+    [127.0.0.1]:7841", "Timed out waiting 20000ms for recv operation to complete"."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically")[0].rstrip(".")
+
+
+class ProcessGroupCoordinator(Coordinator):
+    """The ranks of ``group`` (the default group when None) as pitstop's coordinator.
+
+    Construct it, like the manager that uses it, on every rank of the default group, in
+    the same order: making process groups is a collective call."""
+
+    def __init__(self, group: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidArgumentError(
+                "torch.distributed is not initialized in this process; call "
+                "torch.distributed.init_process_group(...) before making the CheckpointManager")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+                timeout_s <= 0:
+            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got "
+                                       f"{timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            self._groups = {c: dist.new_group(ranks, timeout=timeout, backend="gloo")
+                            for c in ("control", "persist")}
+        except (RuntimeError, ValueError) as e:
+            raise CoordinationError(
+                f"cannot make pitstop's gloo groups on {self.describe()} ({e}); pitstop needs "
+                "the gloo backend (built into torch) next to the job's own") from e
+
+    def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list[bytes]:
+        group = self._groups.get(channel)
+        if group is None:
+            raise CoordinationError(f"{what}: the coordinator of {self.describe()} is closed")
+        n = self.world_size
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        self._run(lambda: dist.all_gather(sizes, size, group=group, async_op=True), what)
+        longest = max(1, max(int(s) for s in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+        self._run(lambda: dist.all_gather(outs, mine, group=group, async_op=True), what)
+        return [bytes(o[:int(s)].numpy()) for o, s in zip(outs, sizes, strict=True)]
+
+    def all_gather_ints(self, values: list[int], *, what: str,
+                        channel: str = "control") -> list[list[int]]:
+        group = self._groups.get(channel)
+        if group is None:
+            raise CoordinationError(f"{what}: the coordinator of {self.describe()} is closed")
+        mine = torch.tensor(values, dtype=torch.int64)
+        outs = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run(lambda: dist.all_gather(outs, mine, group=group, async_op=True), what)
+        return [o.tolist() for o in outs]
+
+    def _run(self, start: Any, what: str) -> None:
+        try:
+            work = start()
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout
+            raise CoordinationError(
+                f"{what}: {self.describe()} lost the other ranks ({_gloo_reason(e)}): a rank "
+                f"died, hangs (the wait is {self.timeout_s:g} s), or stopped calling pitstop "
+                "in step with the others. Restart the job (every rank) to resume from the "
+                "newest committed step") from e
+
+    def close(self) -> None:
+        groups, self._groups = self._groups, {}
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        for g in groups.values():
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError):  # the job tore the default group down already
+                pass
