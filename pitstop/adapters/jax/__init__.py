@@ -8,8 +8,10 @@
 Saved: ``jax.Array`` of every dtype numpy or ml_dtypes holds (sharded arrays shard by shard,
 each distinct shard once), raw ``uint32`` and typed PRNG keys (every implementation), any
 registered pytree node (dataclasses, Flax ``struct`` dataclasses, ``FrozenDict``, NNX
-``State`` and modules), Optax states. Imported by the adapter registry the first time a JAX
-object shows up in a state (or any unknown object once JAX is imported).
+``State`` and modules), Optax states. Multi-process jobs (``jax.distributed``) save one
+checkpoint together through :class:`JaxCoordinator`, which a manager finds by itself.
+Imported by the adapter registry the first time a JAX object shows up in a state (or any
+unknown object once JAX is imported).
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ def __getattr__(name: str) -> Any:
         from . import orbax
 
         return getattr(orbax, name)
+    if name == "JaxCoordinator":  # multi-process saves (jax.distributed)
+        from .distributed import JaxCoordinator
+
+        return JaxCoordinator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["JaxAdapter", "JaxArrayLeaf", "is_typed_key", "import_orbax", "export_orbax"]
+__all__ = ["JaxAdapter", "JaxArrayLeaf", "is_typed_key", "import_orbax", "export_orbax",
+           "JaxCoordinator"]

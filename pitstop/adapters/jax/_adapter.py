@@ -111,6 +111,9 @@ class JaxAdapter:
         if isinstance(obj, jax.ShapeDtypeStruct):
             if is_typed_key(obj):
                 data = jax.eval_shape(jax.random.key_data, obj)
+                sharding = getattr(obj, "sharding", None)
+                if sharding is not None:  # (eval_shape drops it: restore where asked)
+                    data = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
                 return {KEY_DATA: JaxArrayLeaf(None, spec=data), IMPL: _impl_name(obj)}
             return JaxArrayLeaf(None, spec=obj)
         if isinstance(obj, jax.Array):

@@ -5,6 +5,12 @@ the target's sharding says, from the checkpoint's regions (each device reads onl
 that overlap its own), and the adapter puts the new array where the old one was. A sharded
 array is saved shard by shard, each distinct shard once (replicas are not written twice),
 without ever gathering the whole array into one buffer.
+
+In a multi-process job (``jax.distributed``) an array that spans processes is saved by each
+process as the distinct shards it holds (the core writes a shard held by several processes
+once, and checks that the processes' shards cover the array); an array every process holds
+whole (``P()`` on a mesh of all processes) is one value, written once. A restore builds only
+the shards of this process's devices, for any target sharding and any number of processes.
 """
 
 from __future__ import annotations
@@ -84,14 +90,16 @@ class JaxArrayLeaf(ArrayLeaf):
         #: the restored array, set by :meth:`restore_from` and handed back by the adapter
         self.restored: Any = None
         self._pieces: list[tuple[Index, ArrayLeaf]] | None = None
-        if array is not None and not array.is_deleted() and len(array.sharding.device_set) > 1 \
-                and not array.is_fully_replicated:
-            if not array.is_fully_addressable:
-                raise UnsupportedStateError(
-                    f"{where or 'this array'} spans several processes (jax.distributed); this "
-                    "pitstop saves arrays whose shards this process holds all of. Gather it "
-                    "first (jax.experimental.multihost_utils.process_allgather) or save each "
-                    "process's local shards as separate entries.")
+        if array is None or array.is_deleted():
+            return
+        if not array.is_fully_addressable:
+            # an array of several processes (jax.distributed): whole on every process and
+            # saved as one value (identical on all ranks, so written once), or saved as the
+            # shards this process holds; the ranks' shards together cover it
+            if not _whole_everywhere(array):
+                self._pieces = _distinct_shards(array, self.shape, self.dtype)
+                self.sharded = True
+        elif len(array.sharding.device_set) > 1 and not array.is_fully_replicated:
             self._pieces = _distinct_shards(array, self.shape, self.dtype)
             self.sharded = len(self._pieces) > 1
 
@@ -165,6 +173,16 @@ class JaxArrayLeaf(ArrayLeaf):
 
     def __repr__(self) -> str:
         return f"JaxArrayLeaf({self.dtype}{list(self.shape)}, {self.sharding})"
+
+
+def _whole_everywhere(array: Any) -> bool:
+    """True when every process of the job holds the whole array (fully replicated on devices
+    of each process): it is one value, the same on every rank. Decided from the sharding
+    alone, so every process decides alike."""
+    if not array.is_fully_replicated:
+        return False
+    held_by = {d.process_index for d in array.sharding.device_set}
+    return held_by == set(range(jax.process_count()))
 
 
 def _distinct_shards(array: Any, shape: tuple[int, ...], dtype: np.dtype
