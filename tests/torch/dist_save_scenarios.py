@@ -146,6 +146,11 @@ def mismatched(ctx: Ctx) -> dict[str, Any]:
     import pitstop
 
     out: dict[str, Any] = {}
+    if ctx.rank == 0:  # a manager made on rank 0 only (as torch.save is called): an error
+        t0 = time.monotonic()
+        out["lonely"] = error_of(lambda: coordinator(timeout_s=3))
+        out["lonely_s"] = time.monotonic() - t0
+    torch.distributed.barrier()  # rank 1 makes no manager until then
     with pitstop.CheckpointManager(ctx.args["dir"], distributed=coordinator(),
                                    save_on_signals=None, memory_tier=False) as mgr:
         state = {"w": torch.arange(12.0)}

@@ -144,6 +144,12 @@ def test_a_rank_killed_in_the_middle_of_a_save(tmp_path: Path) -> None:
 
     # before that, in the same world: ranks that disagree fail together, at once
     m = r["misuse"]
+    # a manager made on rank 0 alone waits for the others, then says what to do
+    assert m["lonely"]["type"] == "CoordinationError", m
+    assert "rank(s) [1] have not made theirs within 3 s" in m["lonely"]["message"]
+    assert "distributed=False" in m["lonely"]["message"]
+    assert 3 <= m["lonely_s"] < 25
+    # and the ranks' next managers still meet (below)
     assert m["steps"]["type"] == "CoordinationError", m
     assert "rank 0: 3, rank 1: 4" in m["steps"]["message"]
     assert m["bad_state"]["is_checkpoint_error"], m

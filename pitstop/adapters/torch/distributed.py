@@ -11,6 +11,7 @@ a timeout, so a rank that died or hangs becomes an error on the others, not a ha
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 import torch
@@ -19,9 +20,16 @@ import torch.distributed as dist
 from ...core.coordination import CoordinationError, Coordinator
 from ...core.errors import InvalidArgumentError
 
+log = logging.getLogger("pitstop")
+
 #: how long a rank waits for the others in one exchange by default (the slowest rank's
 #: write of its part of a save is inside one)
 DEFAULT_TIMEOUT_S = 600.0
+#: while the ranks make their coordinators: a warning after this wait, checks this often
+_MEET_WARN_S = 30.0
+_MEET_SLICE_S = 5.0
+#: coordinators made in this process (every rank makes them in the same order)
+_made = 0
 
 
 def _gloo_reason(e: BaseException) -> str:
@@ -52,6 +60,7 @@ class ProcessGroupCoordinator(Coordinator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = None if group is None else dist.get_process_group_ranks(group)
+        self._meet(ranks)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             self._groups = {c: dist.new_group(ranks, timeout=timeout, backend="gloo")
@@ -60,6 +69,44 @@ class ProcessGroupCoordinator(Coordinator):
             raise CoordinationError(
                 f"cannot make pitstop's gloo groups on {self.describe()} ({e}); pitstop needs "
                 "the gloo backend (built into torch) next to the job's own") from e
+
+    def _meet(self, ranks: list[int] | None) -> None:
+        """Wait, through the job's store, until every rank makes its coordinator too: making
+        the groups is a collective, which would hang for good where a manager is made on
+        some ranks only (``if rank == 0: CheckpointManager(...)``, as with torch.save)."""
+        global _made
+        _made += 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):
+            return  # no store to meet through: the group collective alone
+        members = ranks if ranks is not None else list(range(dist.get_world_size()))
+        me = dist.get_rank()
+        prefix = f"pitstop/coordinator/{_made}/{'-'.join(map(str, members))}"
+        keys = [f"{prefix}/{r}" for r in members]
+        store.set(f"{prefix}/{me}", "1")
+        waited = 0.0
+        while True:
+            step = min(_MEET_SLICE_S, self.timeout_s - waited)
+            try:
+                store.wait(keys, datetime.timedelta(seconds=step))
+                return
+            except (RuntimeError, dist.DistError):  # (DistStoreError on timeout)
+                waited += step
+            missing = [r for r, k in zip(members, keys, strict=True) if not store.check([k])]
+            text = (f"rank {me} made a pitstop CheckpointManager with every rank of its job, "
+                    f"but rank(s) {missing} have not made theirs")
+            if waited >= self.timeout_s:
+                _made -= 1  # as if never made: the ranks' next coordinators still meet
+                raise CoordinationError(
+                    f"{text} within {self.timeout_s:g} s. A manager of a multi-rank job is made "
+                    "on every rank (each writes its part of the checkpoint). To save from "
+                    "this rank alone, pass distributed=False (the other ranks' state is then "
+                    "not saved)")
+            if waited == _MEET_WARN_S:
+                log.warning("pitstop: %s yet (waited %g s); it waits up to %g s. A manager made "
+                            "on some ranks only waits here: pass distributed=False to save "
+                            "from one rank alone", text, waited, self.timeout_s)
 
     def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list[bytes]:
         group = self._groups.get(channel)
