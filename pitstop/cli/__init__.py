@@ -6,6 +6,11 @@
     pitstop gc DIR                       remove leftovers of interrupted saves
     pitstop demo                         kill -9 a numpy training run, resume it, compare
 
+DIR is a local directory or an object-store URL (``s3://bucket/prefix``, ``memory://...``,
+any fsspec URL): credentials and the endpoint come from the standard AWS environment and
+files (``AWS_ENDPOINT_URL`` ...), and ``-o KEY=VALUE`` passes storage options (e.g.
+``-o endpoint_url=http://127.0.0.1:9000``, ``-o anon=true``); see docs/storage.md.
+
 ``ls``, ``inspect`` and ``verify`` open the directory read-only (no lock, nothing written),
 so they work while a trainer is writing to it. Exit status: 0 fine, 1 a checkpoint failed
 verification, 2 anything else that went wrong (bad arguments, no such directory or step,
@@ -40,8 +45,10 @@ from ..core import memtier
 from ..core.errors import CheckpointError, CorruptCheckpointError, DirectoryLockedError
 from ..core.names import DEFAULT, Naming
 from ..core.reader import CheckpointReader, nbytes_of
+from ..core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
 from ..core.storage import local as _local
 from ..core.storage.local import MANIFEST, META_DIR, LocalStorage
+from ..core.storage.objectstore import Leftover, ObjectListing
 
 OK, CORRUPT, ERROR = 0, 1, 2
 #: what pitstop names the temporaries of interrupted writes of .pitstop/ files (a file in
@@ -119,11 +126,16 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _open(directory: str) -> LocalStorage:
-    """The directory's storage, opened without creating or writing anything."""
-    if "://" in directory and not directory.startswith("file://"):
-        raise CliError(f"{directory}: only local (or mounted) directories are supported")
-    directory = directory.removeprefix("file://")
+def _open(directory: str, options: list[str] | None = None) -> Storage:
+    """The directory's storage, opened without creating or writing anything: a local
+    directory, or an object-store URL (``options``: ``KEY=VALUE`` storage options)."""
+    if is_url(directory):
+        return _open_url(directory, options or [])
+    if options:
+        raise CliError(f"{directory}: -o/--storage-option is for object-store URLs "
+                       "(s3://bucket/prefix ...), not local directories")
+    if directory.lower().startswith("file://"):
+        directory = directory[len("file://"):]
     try:
         st = os.stat(directory)
     except FileNotFoundError:
@@ -146,7 +158,38 @@ def _open(directory: str) -> LocalStorage:
     return LocalStorage(directory, create=False)
 
 
-def _naming(storage: LocalStorage) -> Naming:
+def _storage_options(options: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as storage options; a value is read as JSON when it is JSON
+    (``true``, ``5``, ``{"region_name": "eu-west-1"}``), else as a string."""
+    out: dict[str, Any] = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"-o {item!r}: storage options are KEY=VALUE, e.g. "
+                           "-o endpoint_url=http://127.0.0.1:9000")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def _open_url(url: str, options: list[str]) -> FsspecStorage:
+    """An object-store directory, checked to be reachable (its bucket exists, the
+    credentials may list it); nothing is written."""
+    try:
+        storage = FsspecStorage(url, create=False, **_storage_options(options))
+    except CheckpointError as e:
+        raise CliError(_one_line(e)) from None
+    try:
+        storage.check()
+    except OSError as e:
+        raise CliError(f"{_one_line(_why(e))}; check the URL, the credentials and the "
+                       "endpoint (AWS_ENDPOINT_URL, or -o endpoint_url=...)") from None
+    return storage
+
+
+def _naming(storage: Storage) -> Naming:
     """How the directory names its checkpoints (``.pitstop/directory.json``): the default
     where none is recorded, or where that file is unreadable (gc then says so)."""
     try:
@@ -192,6 +235,12 @@ class Listing:
     #: ``.pitstop/<file>.tmp-<8 hex>`` files (what gc removes)
     tmp: list[str] = field(default_factory=list)
     has_meta: bool = False
+    #: an object-store directory: its objects, and its interrupted operations (what gc
+    #: removes; ``tmp`` names their markers)
+    objects: ObjectListing | None = None
+    leftovers: list[Leftover] = field(default_factory=list)
+    #: the object-store directory listed (to look at the directory above it)
+    storage: FsspecStorage | None = None
 
 
 def _kind(path: str) -> int:
@@ -201,7 +250,54 @@ def _kind(path: str) -> int:
         return 0
 
 
-def _scan(storage: LocalStorage) -> Listing:
+def _scan_url(storage: FsspecStorage) -> Listing:
+    """:func:`_scan` of an object-store directory: the same classes of entries, read from
+    one listing of its objects (a checkpoint is a prefix holding manifest.json)."""
+    loc = storage.location
+    try:
+        objects = storage.scan()
+        naming = _naming(storage)
+        leftovers = storage.leftovers(naming, objects)
+    except OSError as e:
+        raise CliError(f"{loc}: cannot list it ({_one_line(_why(e))})") from None
+    out = Listing(loc, naming, objects=objects, leftovers=leftovers, storage=storage)
+    marked = {item.entry for item in leftovers}
+    saving = {item.name for item in leftovers if item.op in ("save", "delete")}
+    for entry in sorted(set(objects.dirs) | set(objects.files)):
+        if entry == META_DIR:
+            continue
+        if naming.parse_tmp(entry) is not None:
+            if entry not in marked and entry + "/" not in marked:
+                out.foreign.append(entry)  # named like pitstop's, but no marker it wrote
+            continue
+        if entry.startswith("."):
+            continue
+        step = naming.parse(entry)
+        if step is not None:
+            files = objects.dirs.get(entry)
+            if files is not None and MANIFEST in files:
+                out.steps.append(step)
+            elif entry in saving:
+                continue  # the objects of an interrupted save: listed with its marker
+            elif files is None:
+                out.odd.append((entry, "an object, not a checkpoint directory"))
+            else:
+                out.odd.append((entry, "no manifest.json: not a committed checkpoint"))
+            continue
+        aside = naming.parse_aside(entry)
+        if aside is not None:
+            out.aside.append((entry, aside[0], aside[1]))
+        else:
+            out.foreign.append(entry)
+    out.steps.sort()
+    out.tmp = [item.entry for item in leftovers]
+    out.has_meta = bool(objects.meta)
+    return out
+
+
+def _scan(storage: Storage) -> Listing:
+    if isinstance(storage, FsspecStorage):
+        return _scan_url(storage)
     loc = storage.location
     try:
         entries = sorted(os.listdir(loc))
@@ -260,6 +356,10 @@ def _scan(storage: LocalStorage) -> Listing:
 
 
 def _no_meta(listing: Listing) -> str:
+    if listing.objects is not None:
+        if META_DIR in listing.objects.files:
+            return f"{META_DIR} is an object, not a directory"
+        return f"no {META_DIR}/ inside"
     meta = os.path.join(listing.location, META_DIR)
     if os.path.lexists(meta):
         return f"{META_DIR} is not a directory"
@@ -269,6 +369,21 @@ def _no_meta(listing: Listing) -> str:
 def _single_checkpoint_hint(listing: Listing, command: str) -> str:
     """When DIR is itself one checkpoint (a common slip), how to name it instead."""
     loc = listing.location
+    if listing.objects is not None:
+        above = listing.storage.parent() if listing.storage is not None else None
+        if MANIFEST not in listing.objects.files or above is None:
+            return ""
+        parent, base = above.location, loc.rpartition("/")[2]
+        try:  # the naming of the directory that would hold it
+            naming = _naming(above)
+        except CliError:
+            naming = DEFAULT
+        step = naming.parse(base)
+        if step is None:
+            return ""
+        which = f" --step {step}" if command in ("inspect", "verify") else ""
+        return (f"; {loc} is one checkpoint, give the directory that holds it: "
+                f"pitstop {command} {parent}{which}")
     try:  # the naming of the directory that would hold it
         naming = _naming(LocalStorage(os.path.dirname(loc), create=False))
     except CliError:
@@ -328,7 +443,7 @@ def _pick(listing: Listing, step: int | None, command: str) -> int:
 
 
 @contextlib.contextmanager
-def _lease(storage: LocalStorage, name: str) -> Iterator[None]:
+def _lease(storage: Storage, name: str) -> Iterator[None]:
     """Hold the checkpoint's read lease, so a live trainer's retention skips it meanwhile.
 
     A manifest the lease cannot open (a link loop, say) is the reader's to report."""
@@ -343,7 +458,12 @@ def _lease(storage: LocalStorage, name: str) -> Iterator[None]:
 def _failure(e: BaseException, where: str) -> tuple[int, str]:
     """(exit status, reason) of a checkpoint that could not be read or verified."""
     if isinstance(e, CheckpointError):  # corrupt, or written by a newer pitstop
+        if not isinstance(e, CorruptCheckpointError) and isinstance(
+                e.__cause__ or e.__context__, ObjectStoreError):
+            return ERROR, str(e)  # the network or the credentials, not the checkpoint
         return CORRUPT, str(e)
+    if isinstance(e, ObjectStoreError):
+        return ERROR, f"{where}: {_why(e)}"
     if isinstance(e, OSError):
         code = ERROR if e.errno in _ENVIRONMENT else CORRUPT
         what = os.path.basename(e.filename) if isinstance(e.filename, str) else "its files"
@@ -354,7 +474,7 @@ def _failure(e: BaseException, where: str) -> tuple[int, str]:
     return CORRUPT, f"{where}: malformed checkpoint ({type(e).__name__}: {e})"
 
 
-def _reader(storage: LocalStorage, name: str, naming: Naming) -> CheckpointReader:
+def _reader(storage: Storage, name: str, naming: Naming) -> CheckpointReader:
     """The checkpoint's reader (manifest parsed and validated); any failure is a CliError
     with the right exit status: 1 when the checkpoint is at fault, 2 when it is not."""
     try:
@@ -373,7 +493,7 @@ def _tolerant_streams() -> None:
 
 # ====================================================================== ls
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args.dir, args.storage_option)
     listing = _scan(storage)
     steps = listing.steps
     naming = listing.naming
@@ -456,13 +576,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 # ====================================================================== inspect
-def _gone(storage: LocalStorage, name: str) -> bool:
+def _gone(storage: Storage, name: str) -> bool:
     """True when a listed checkpoint no longer exists (a live trainer's retention deleted
     it, or moved it aside, between listing and reading)."""
+    if isinstance(storage, FsspecStorage):
+        try:
+            storage.size(name, MANIFEST)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # cannot tell: reading it reports what is wrong
+        return False
     return not os.path.lexists(os.path.join(storage.location, name, MANIFEST))
 
 
-def _pick_live(storage: LocalStorage, step: int | None, command: str) -> tuple[int, Naming]:
+def _pick_live(storage: Storage, step: int | None, command: str) -> tuple[int, Naming]:
     """The checkpoint to read: the newest one (again, if it vanishes while a trainer
     writes), or ``step``; and the directory's naming."""
     for attempt in range(10):
@@ -482,7 +610,7 @@ def _pick_live(storage: LocalStorage, step: int | None, command: str) -> tuple[i
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args.dir, args.storage_option)
     for attempt in range(10):
         step, naming = _pick_live(storage, args.step, "inspect")
         name = naming.name(step)
@@ -581,7 +709,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ====================================================================== verify
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args.dir, args.storage_option)
     listing = _scan(storage)
     naming = listing.naming
     if args.all:
@@ -608,7 +736,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         where = storage.path_of(name)
         t0 = time.perf_counter()
         with _lease(storage, name):
-            if not os.path.lexists(os.path.join(storage.location, name, MANIFEST)):
+            if _gone(storage, name):
                 # deleted by a live trainer's retention between listing and reading
                 if not args.all and args.step is None and repicks < 9:
                     repicks += 1  # the newest one was asked for: the next newest it is
@@ -621,6 +749,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 reader = CheckpointReader(storage, name, naming=naming)
                 reader.verify()
             except CorruptCheckpointError as e:
+                if isinstance(storage, FsspecStorage) and _gone(storage, name):
+                    # object stores have no read leases: a live trainer's retention may
+                    # delete a checkpoint while it is read
+                    print(f"step {s}: gone (deleted while verifying), skipped")
+                    continue
                 failed.append(s)
                 at = ", ".join(
                     f"{label} {value}"
@@ -703,7 +836,7 @@ def _write_error(loc: str, e: OSError) -> str:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    storage = _open(args.dir)
+    storage = _open(args.dir, args.storage_option)
     loc = storage.location
     listing = _scan(storage)
     if not listing.has_meta:
@@ -721,6 +854,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"{_one_line(e)} gc only runs while no writer holds the directory."
         ) from None
     except OSError as e:
+        if isinstance(storage, FsspecStorage):
+            raise CliError(f"{loc}: cannot take the directory's writer lock "
+                           f"({_one_line(_why(e))}); gc only runs while it holds it") from None
         if not (args.dry_run and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
             raise CliError(_write_error(loc, e)) from None
         # a dry run removes nothing; where no writer can write, none can be mid-save either
@@ -734,7 +870,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     problems: list[str] = []
     try:
         listing = _scan(storage)  # again, now that no writer can be mid-save
-        for rel in listing.tmp:
+        if isinstance(storage, FsspecStorage):
+            removed += _gc_objects(storage, listing, args.dry_run, failures)
+        for rel in listing.tmp if not isinstance(storage, FsspecStorage) else []:
             if args.dry_run:
                 removed.append(rel)
                 continue
@@ -779,6 +917,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return ERROR if failures or problems else OK
 
 
+def _gc_objects(storage: FsspecStorage, listing: Listing, dry_run: bool,
+                failures: list[str]) -> list[str]:
+    """Remove an object-store directory's leftovers (markers and the objects they name)."""
+    removed: list[str] = []
+    for item in listing.leftovers:
+        if dry_run:
+            removed += item.describe()
+            continue
+        try:
+            removed += storage.remove_leftover(item)
+        except OSError as e:
+            failures.append(f"{storage.location}/{item.entry} ({_one_line(_why(e))})")
+    return removed
+
+
 def _tier_root(args: argparse.Namespace) -> str | None:
     if args.memory_tier is None:
         return memtier.default_root()
@@ -792,7 +945,7 @@ def _tier_root(args: argparse.Namespace) -> str | None:
     return root
 
 
-def _directory_id(storage: LocalStorage) -> tuple[str | None, str | None]:
+def _directory_id(storage: Storage) -> tuple[str | None, str | None]:
     """(the directory's id, None), (None, what is wrong with directory.json), or (None, None)
     where there is none (nothing was ever written here, so no memory tier either)."""
     try:
@@ -824,7 +977,7 @@ def _tier_meta(path: str) -> dict[str, Any] | None:
 
 
 def _gc_memory_tier(
-    storage: LocalStorage,
+    storage: Storage,
     root: str,
     listing: Listing,
     args: argparse.Namespace,
@@ -900,6 +1053,13 @@ def _gc_memory_tier(
 
 
 # ====================================================================== main
+def _url_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a storage option of an object-store DIR (s3://...), e.g. "
+        "endpoint_url=http://127.0.0.1:9000 or anon=true; repeat for more")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pitstop",
@@ -917,10 +1077,12 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints moved aside, leftovers and entries that are not pitstop's",
     )
     s.add_argument("dir", metavar="DIR")
+    _url_options(s)
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("inspect", help="show one checkpoint's manifest (newest by default)")
     s.add_argument("dir", metavar="DIR")
+    _url_options(s)
     s.add_argument("--step", type=int, help="the step to show (default: the newest)")
     s.add_argument(
         "--json",
@@ -932,6 +1094,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("verify", help="read every array and check its hash (newest by default)")
     s.add_argument("dir", metavar="DIR")
+    _url_options(s)
     g = s.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, help="verify this step")
     g.add_argument("--all", action="store_true", help="verify every committed checkpoint")
@@ -945,6 +1108,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("dir", metavar="DIR")
+    _url_options(s)
     s.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     s.add_argument(
         "--memory-tier", metavar="ROOT", help="where the memory tier lives (default: /dev/shm)"

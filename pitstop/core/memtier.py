@@ -52,7 +52,8 @@ def default_root() -> str | None:
 class MemoryTier:
     def __init__(self, root: str, directory: str, directory_id: str, part: str = "") -> None:
         self.root = root
-        self.directory = os.path.realpath(directory)
+        # (an object store's URL names it as it is: no local path can stand for it)
+        self.directory = directory if _is_url(directory) else os.path.realpath(directory)
         self.directory_id = directory_id
         #: which rank's part of a multi-rank job's state these snapshots hold ("" alone)
         self.part = part
@@ -156,8 +157,8 @@ class MemoryTier:
                 written_for, part = meta.get("directory"), meta.get("part", "")
             except (OSError, ValueError, AttributeError):
                 continue
-            if isinstance(written_for, str) and not os.path.exists(written_for) and \
-                    part == self.part:
+            if isinstance(written_for, str) and not _is_url(written_for) and \
+                    not os.path.exists(written_for) and part == self.part:
                 moved.append(path)
         return own + moved
 
@@ -173,7 +174,8 @@ class MemoryTier:
         if meta.get("part", "") != self.part:
             return "another rank's part of the state"
         if meta.get("directory") != self.directory and (
-                not isinstance(meta.get("directory"), str) or os.path.exists(meta["directory"])):
+                not isinstance(meta.get("directory"), str) or _is_url(meta["directory"])
+                or os.path.exists(meta["directory"])):
             # a copy of this directory (same id) elsewhere: never use or touch its snapshot;
             # only a directory that was moved here (its old path is gone) takes it over
             return "written for another checkpoint directory"
@@ -214,6 +216,11 @@ class MemoryTier:
 _SLOT = re.compile(r"^-\d+\.json$")
 #: every file name the tier makes below its prefix (buffer, description, its temporary)
 _FILE = re.compile(r"^-\d+\.(buf|json|json\.tmp)$")
+
+
+def _is_url(location: str) -> bool:
+    from .storage import is_url
+    return is_url(location)
 
 
 def _step_of(meta: dict[str, Any]) -> int:

@@ -50,6 +50,10 @@ class Transaction(ABC):
     @abstractmethod
     def abort(self) -> None: ...
 
+    def done(self) -> None:
+        """Another rank's part (see :meth:`Storage.join`), once the leader committed."""
+        return None
+
 
 class Storage(ABC):
     """Where checkpoints live. Implementations: :class:`LocalStorage` (default)."""
