@@ -661,10 +661,16 @@ class Engine:
             except BaseException as e:  # noqa: BLE001
                 txn.abort()
                 failure = e
-        txn = None  # committed or aborted by the leader: nothing of it is this rank's now
-        outcome = exchange({"error": None if failure is None else _why(failure)},
-                           "publishing the checkpoint")
-        fail_if(outcome, "at the commit")
+        if coord.leader:
+            txn = None  # committed, or aborted: nothing more to undo
+        # (no abort if this exchange fails: the leader may have committed, and a part of
+        # an uncommitted save left behind is removed by the next writer's cleanup)
+        outcome = coord.all_gather_json({"error": None if failure is None else _why(failure)},
+                                        what=f"{where}: publishing the checkpoint",
+                                        channel="persist")
+        fail_if(outcome, "at the commit")  # (another rank aborts its own part there)
+        if txn is not None:
+            txn.done()
         if manifest is None:  # a follower: what its bookkeeping needs of the manifest
             manifest = self._manifest(job, job.structure, job.values)
             manifest.world = coord.world_size

@@ -140,6 +140,7 @@ class CheckpointManager:
         step_prefix: str | None = None,
         step_digits: int | None = None,
         distributed: Any = "auto",
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -159,8 +160,9 @@ class CheckpointManager:
         self._rank_world = (self._coord.rank, self._coord.world_size) if self._coord else \
             _ambient_rank() if distributed is not False else (0, 1)
         leader = self._coord is None or self._coord.leader
-        self.storage = open_directory(directory, durable=durable,
-                                      create=not read_only and leader)
+        self.storage = open_directory(
+            directory, durable=durable, create=not read_only and leader,
+            **({} if storage_options is None else {"storage_options": storage_options}))
         self.directory = self.storage.location
         self.read_only = read_only
         self.async_save = async_save
