@@ -284,15 +284,20 @@ def _scan_url(storage: FsspecStorage) -> Listing:
             else:
                 out.odd.append((entry, "no manifest.json: not a committed checkpoint"))
             continue
-        aside = naming.parse_aside(entry)
-        if aside is not None:
-            out.aside.append((entry, aside[0], aside[1]))
-        else:
-            out.foreign.append(entry)
+        _aside_or_foreign(out, naming, entry)
     out.steps.sort()
     out.tmp = [item.entry for item in leftovers]
     out.has_meta = bool(objects.meta)
     return out
+
+
+def _aside_or_foreign(out: Listing, naming: Naming, entry: str) -> None:
+    """An entry that is no checkpoint: one moved aside by pitstop, or someone else's."""
+    aside = naming.parse_aside(entry)
+    if aside is not None:
+        out.aside.append((entry, aside[0], aside[1]))
+    else:
+        out.foreign.append(entry)
 
 
 def _scan(storage: Storage) -> Listing:
@@ -333,11 +338,7 @@ def _scan(storage: Storage) -> Listing:
             else:
                 out.odd.append((entry, "no manifest.json: not a committed checkpoint"))
             continue
-        aside = naming.parse_aside(entry)
-        if aside is not None:
-            out.aside.append((entry, aside[0], aside[1]))
-        else:
-            out.foreign.append(entry)
+        _aside_or_foreign(out, naming, entry)
     out.steps.sort()
     meta = os.path.join(loc, META_DIR)
     out.has_meta = os.path.isdir(meta)

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, DirectoryLockedError, InvalidArgumentError, StepExistsError
+from ..memtier import boot_id
 from ..names import DEFAULT, Naming, aside_name, tmp_name
 from .base import Storage, Transaction, Writer
 
@@ -1464,14 +1465,6 @@ _local_guard = threading.Lock()
 _warned: set[str] = set()
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -1507,7 +1500,7 @@ class _Lease:
 
     def body(self, probe: bool = False) -> bytes:
         doc = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-               "boot_id": _boot_id(), "since": self._since, "renewed": time.time(),
+               "boot_id": boot_id(), "since": self._since, "renewed": time.time(),
                "ttl_s": self.storage.opts.lock_ttl}
         if probe:
             doc["probe"] = True  # differs from what is there: a store that took it ignored
@@ -1583,7 +1576,7 @@ class _Lease:
         if not isinstance(doc, dict):
             doc = {}
         host, pid, boot = doc.get("host"), doc.get("pid"), doc.get("boot_id")
-        if host == socket.gethostname() and boot and boot == _boot_id() and \
+        if host == socket.gethostname() and boot and boot == boot_id() and \
                 isinstance(pid, int) and not isinstance(pid, bool):
             if not _pid_alive(pid):
                 return f"its holder, pid {pid} on this host, is dead"
