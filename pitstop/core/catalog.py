@@ -281,11 +281,18 @@ class Catalog:
         commit when that fails)."""
         with self.lock:
             self.index.pop(step, None)
+            if self.read_only:
+                return  # another rank than the leader: the leader writes the index
             try:
                 self._write_index()
             except OSError as e:
                 self.dirty = True
                 log.warning("pitstop: could not update the index: %s", e)
+
+    def forget(self, step: int) -> None:
+        """Another rank than the leader: the leader removed ``step`` (moved it aside or
+        deleted it), so this rank's index drops it too."""
+        self._forget(step)
 
     # ------------------------------------------------------------------ moving aside
     def move_aside(self, step: int, reason: str) -> str | None:

@@ -57,21 +57,30 @@ class Coordinator(ABC):
     def leader(self) -> bool:
         return self.rank == 0
 
-    def all_gather_json(self, obj: Any, *, what: str, channel: str = "control") -> list[Any]:
-        """:meth:`all_gather` of JSON documents (never pickle: a rank's bytes are data)."""
-        raw = self.all_gather(json.dumps(obj, separators=(",", ":")).encode(), what=what,
-                              channel=channel)
+    def all_gather_json(self, obj: Any, *, what: str, channel: str = "control",
+                        op: str = "") -> list[Any]:
+        """:meth:`all_gather` of JSON documents (never pickle: a rank's bytes are data).
+        ``op`` names the call: ranks in different calls get a :class:`CoordinationError`."""
+        raw = self.all_gather(json.dumps([op, obj], separators=(",", ":")).encode(),
+                              what=what, channel=channel)
         try:
-            return [json.loads(b) for b in raw]
-        except ValueError as e:
+            docs = [json.loads(b) for b in raw]
+            ops = [d[0] for d in docs]
+        except (ValueError, TypeError, IndexError, KeyError) as e:
             raise CoordinationError(f"{what}: a rank sent an unreadable answer ({e})") from None
+        if len(set(ops)) > 1:
+            said = ", ".join(f"rank {r}: {o or '?'}" for r, o in enumerate(ops))
+            raise CoordinationError(
+                f"{what}: the ranks called pitstop differently ({said}); every rank must make "
+                "the same calls (managers, step, save, restore, delete) in the same order")
+        return [d[1] for d in docs]
 
     def all_gather_ints(self, values: list[int], *, what: str,
                         channel: str = "control") -> list[list[int]]:
         """Every rank's ``values`` (the same count on every rank): the per-step agreement,
         which a backend makes one small collective."""
         return [list(map(int, v)) for v in self.all_gather_json(values, what=what,
-                                                                channel=channel)]
+                                                                channel=channel, op="step")]
 
     def describe(self) -> str:
         return f"rank {self.rank} of {self.world_size}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -211,7 +212,7 @@ class CheckpointManager:
             # names its checkpoints and runs retention; this rank writes its part of each
             self._res = Resources(self._owner_pid, self.directory)
             self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
-            lead = coord.all_gather_json({}, what=f"opening {self.directory}")[0]
+            lead = coord.all_gather_json({}, what=f"opening {self.directory}", op="open")[0]
             if lead.get("error"):
                 self._finalizer.detach()
                 raise CoordinationError(f"rank 0 could not open the checkpoint directory "
@@ -235,6 +236,16 @@ class CheckpointManager:
                 self.naming = resolve_naming(self.directory, Naming(*lead["naming"]),
                                              step_prefix, step_digits)
                 self.directory_id = lead["id"]
+                mine = wrap_os(read_identity, self.directory, self.storage, required=False)
+                if mine is None or mine.directory_id != lead["id"]:
+                    problem = (
+                        f"rank 0's manager is for the directory with id {lead['id']} "
+                        f"({lead.get('where')}), this rank's for {self.directory} (id "
+                        f"{mine.directory_id if mine else 'none'}): the ranks made their "
+                        "managers for different directories, or in a different order")
+                else:
+                    problem = None
+                self._joined(problem)
                 self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                         read_only=True, naming=self.naming, on_save=on_save)
                 wrap_os(self._catalog.reconcile, self.directory, write=False)
@@ -259,6 +270,8 @@ class CheckpointManager:
                     self._announce(error=e)
                     raise
                 self._announce()
+                if coord is not None:
+                    self._joined(None)
 
             # memory tier
             root = memtier_mod.default_root() if memory_tier in (None, True) else (
@@ -305,7 +318,7 @@ class CheckpointManager:
                 committed = self._catalog.committed_steps()
                 newest = committed[-1] if committed else None
                 mine = sorted(recoverable_steps(tier, newest)) if tier is not None else []
-                held = coord.all_gather_json(mine, what=f"{self.directory}: finding the "
+                held = coord.all_gather_json(mine, op="recover", what=f"{self.directory}: finding the "
                                              "snapshots every rank holds in memory")
                 common = set.intersection(*(set(h) for h in held))
                 if tier is not None:
@@ -563,11 +576,42 @@ class CheckpointManager:
         with self._api_lock:
             if step in engine.pending_steps():
                 engine.drain()
+            if self._coord is not None:
+                self._delete_world(step, self._coord)
+                return
             if step not in self._committed(hidden=True):
                 raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
             self._catalog.delete(step)
             self._recovered_all = self._res.recovered = [
                 r for r in self._recovered_all if r.step != step]
+
+    def _delete_world(self, step: int, coord: Coordinator) -> None:
+        """``delete(step)`` on every rank: the leader deletes, the others forget the step."""
+        where = f"delete({step}) in {self.directory}"
+        steps = coord.all_gather_json(step, what=where, op="delete")
+        if len(set(steps)) > 1:
+            raise CoordinationError(
+                f"delete() was called for different steps on the ranks ({steps}); nothing "
+                "was deleted")
+        error: CheckpointError | None = None
+        if coord.leader:
+            try:
+                if step not in self._committed(hidden=True):
+                    raise CheckpointNotFoundError(
+                        f"no checkpoint of step {step} in {self.directory}")
+                self._catalog.delete(step)
+            except CheckpointError as e:
+                error = e
+        lead = coord.all_gather_json(None if error is None else str(error), what=where,
+                                     op="deleted")[0]
+        if error is not None:
+            raise error
+        if lead:
+            raise CheckpointError(f"rank 0 could not delete step {step}: {lead}")
+        if not coord.leader:
+            self._catalog.forget(step)
+        self._recovered_all = self._res.recovered = [
+            r for r in self._recovered_all if r.step != step]
 
     def metadata(self, step: int) -> Manifest:
         """The parsed manifest of one checkpoint (metrics, user metadata, arrays)."""
@@ -758,6 +802,10 @@ class CheckpointManager:
         self._engine.drain()
         self._rolled_back_to = None
         self._abandoned = set()
+        if self._coord is not None and not self._coord.leader:
+            for s in [s for s in self._catalog.index if s > restored]:
+                self._catalog.forget(s)  # the leader moves them aside
+            return
         newer = [s for s in self._committed() if s > restored]
         moved = []
         for s in newer:
@@ -883,8 +931,15 @@ class CheckpointManager:
         """The restore of one rank: every rank restores the same step. A checkpoint that any
         rank finds corrupt (or unreadable) is given up by all of them, which then take the
         previous one together; any other refusal stops every rank."""
-        lead = coord.all_gather_json(self._committed(hidden=step is not None),
-                                     what=f"restoring from {self.directory}: listing")[0]
+        asked = coord.all_gather_json([step, self._committed(hidden=step is not None)],
+                                      what=f"restoring from {self.directory}", op="restore")
+        if len({json.dumps(a[0]) for a in asked}) > 1:
+            wanted = ", ".join(f"rank {r}: {'the newest' if a[0] is None else f'step {a[0]}'}"
+                               for r, a in enumerate(asked))
+            raise CoordinationError(
+                f"restore() from {self.directory} asked for different steps on the ranks "
+                f"({wanted}); nothing was restored. Every rank must resume from the same step")
+        lead = asked[0][1]
         if step is not None and step not in lead:
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} in {self.directory} (have: {lead[-10:]})")
@@ -892,8 +947,33 @@ class CheckpointManager:
         for s in [step] if step is not None else reversed(lead):
             outcome, report = "ok", None
             error: CheckpointError | None = None
+            told: list[bool] = [False]
+
+            def checked(problem: CheckpointError | None, s: int = s,
+                        told: list[bool] = told) -> None:
+                """Every rank's checks done: a refusal anywhere stops all before a byte is
+                written."""
+                told[0] = True
+                said = coord.all_gather_json(
+                    None if problem is None else [_kind_of(problem), str(problem)],
+                    op="restore-check", what=f"restoring step {s} from {self.directory}")
+                others = [(r, p) for r, p in enumerate(said) if p and r != coord.rank]
+                if problem is None and others:
+                    err = CoordinationError(
+                        f"restoring step {s} from {self.directory}: nothing was restored, "
+                        "because " + "; ".join(f"rank {r}: {p[1]}" for r, p in others))
+                    err.other_rank = True  # type: ignore[attr-defined]
+                    raise err
+
             try:
-                report = self._restore_one(s, flat, strict)
+                try:
+                    report = self._restore_one(s, flat, strict, checked)
+                except CheckpointError as e:
+                    if not told[0]:
+                        checked(e)  # failed before its checks: the others learn it there
+                    raise
+            except CoordinationError as e:
+                outcome, error = "skipped" if getattr(e, "other_rank", False) else "refused", e
             except CorruptCheckpointError as e:
                 outcome, error = "corrupt", e
             except UnsupportedFormatError as e:
@@ -901,8 +981,9 @@ class CheckpointManager:
             except CheckpointError as e:
                 outcome, error = "refused", e
             said = coord.all_gather_json([outcome, None if error is None else str(error)],
+                                         op="restore-step",
                                          what=f"restoring step {s} from {self.directory}")
-            bad = [(r, o, why) for r, (o, why) in enumerate(said) if o != "ok"]
+            bad = [(r, o, why) for r, (o, why) in enumerate(said) if o not in ("ok", "skipped")]
             if not bad:
                 return s, report
             text = "; ".join(f"rank {r}: {why}" for r, _o, why in bad)
@@ -920,6 +1001,8 @@ class CheckpointManager:
                 corrupt += 1
                 if coord.leader:
                     self._quarantine(s)
+                else:
+                    self._catalog.forget(s)  # the leader moves it aside
         if corrupt:
             raise CorruptCheckpointError(
                 f"no valid checkpoint in {self.directory}: {corrupt} failed verification on "
@@ -927,13 +1010,15 @@ class CheckpointManager:
                 checkpoint=self.directory)
         return None, None
 
-    def _restore_one(self, step: int, flat: FlatState, strict: bool) -> RestoreReport:
+    def _restore_one(self, step: int, flat: FlatState, strict: bool,
+                     checked: Callable[[CheckpointError | None], None] | None = None
+                     ) -> RestoreReport:
         name = self.naming.name(step)
         try:
             with self.storage.read_lease(name):
                 reader = CheckpointReader(self.storage, name, naming=self.naming)
                 self._use_rank(reader)
-                return reader.restore_into(flat, strict)
+                return reader.restore_into(flat, strict, checked)
         except OSError as e:
             raise CheckpointError(f"cannot read {self.storage.path_of(name)}: "
                                   f"{type(e).__name__}: {e}") from e
@@ -998,11 +1083,21 @@ class CheckpointManager:
         if error is not None:
             with contextlib.suppress(CheckpointError):
                 coord.all_gather_json({"error": f"{type(error).__name__}: {error}"},
-                                      what=f"opening {self.directory}")
+                                      what=f"opening {self.directory}", op="open")
             return
-        coord.all_gather_json({"id": self.directory_id,
+        coord.all_gather_json({"id": self.directory_id, "where": self.directory,
                                "naming": [self.naming.prefix, self.naming.digits]},
-                              what=f"opening {self.directory}")
+                              what=f"opening {self.directory}", op="open")
+
+    def _joined(self, problem: str | None) -> None:
+        """Every rank says whether it opened the leader's directory: a mismatch (managers
+        made in another order) fails every rank's constructor, not their first save."""
+        coord = self._coord
+        assert coord is not None
+        said = coord.all_gather_json(problem, what=f"opening {self.directory}", op="joined")
+        bad = [(r, p) for r, p in enumerate(said) if p]
+        if bad:
+            raise CoordinationError("; ".join(f"rank {r}: {p}" for r, p in bad))
 
     def _agree(self, step: int, want: bool, exists: bool, call: str
                ) -> tuple[bool, bool, int]:
@@ -1076,6 +1171,11 @@ class CheckpointManager:
         if self._abandoned and not hidden:
             steps = [s for s in steps if s not in self._abandoned]
         return steps
+
+
+def _kind_of(e: CheckpointError) -> str:
+    return "corrupt" if isinstance(e, CorruptCheckpointError) else \
+        "newer" if isinstance(e, UnsupportedFormatError) else "refused"
 
 
 def _ambient_rank() -> tuple[int, int]:

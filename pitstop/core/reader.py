@@ -84,10 +84,16 @@ class CheckpointReader:
                     f"{length} (truncated or overwritten)", checkpoint=self.where, file=fname)
 
     def verify(self) -> None:
-        """Read every array and check its hash (``pitstop verify``)."""
+        """Read every array and check its hash (``pitstop verify``): every rank's part of a
+        checkpoint that several ranks wrote."""
         self.check_files()
         for key, entry in self.manifest.arrays.items():
             self.read_array(key, entry)
+        done = {(p.file, p.offset) for e in self.manifest.arrays.values() for p in e.parts}
+        for view in self.manifest.ranks:
+            for key, entry in view.arrays.items():
+                if any((p.file, p.offset) not in done for p in entry.parts):
+                    self.read_array(key, entry)
 
     # ------------------------------------------------------------------ arrays
     def read_array(self, key: str, entry: ArrayEntry, out: np.ndarray | None = None) -> np.ndarray:
@@ -203,17 +209,27 @@ class CheckpointReader:
                 f"{self.where}: its structure or values in manifest.json are malformed "
                 f"({type(e).__name__}: {e})", checkpoint=self.where, file=MANIFEST) from None
 
-    def restore_into(self, flat: FlatState, strict: bool = True) -> RestoreReport:
+    def restore_into(self, flat: FlatState, strict: bool = True,
+                     checked: Callable[[CheckpointError | None], None] | None = None
+                     ) -> RestoreReport:
         """Put this checkpoint back into the live objects of ``flat``: checked against the
         manifest and every adapter before a byte is written, then streamed into the live
         buffers (hash-verified), then values and adapters applied (see :mod:`.restore`).
 
         Mismatches raise :class:`IncompatibleTargetError` (``strict``) or are skipped and
-        reported; the target is then unchanged.
+        reported; the target is then unchanged. ``checked(error)`` is called once the
+        checks are done (a multi-rank restore agrees there before any rank writes).
         """
         plan = RestorePlan(self, flat, strict)
-        plan.plan()
-        plan.check()
+        try:
+            plan.plan()
+            plan.check()
+        except CheckpointError as e:
+            if checked is not None:
+                checked(e)  # the other ranks of a job learn it before they write anything
+            raise
+        if checked is not None:
+            checked(None)  # raises when another rank refused: nothing is written then
         plan.read()
         plan.apply()
         return plan.report

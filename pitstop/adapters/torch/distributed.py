@@ -30,6 +30,8 @@ _MEET_WARN_S = 30.0
 _MEET_SLICE_S = 5.0
 #: coordinators made in this process (every rank makes them in the same order)
 _made = 0
+#: what an exchange's kind says a rank was doing (for the error when ranks differ)
+_KINDS = {1: "a step()/save() boundary", 2: "an exchange of data"}
 
 
 def _gloo_reason(e: BaseException) -> str:
@@ -108,31 +110,41 @@ class ProcessGroupCoordinator(Coordinator):
                             "on some ranks only waits here: pass distributed=False to save "
                             "from one rank alone", text, waited, self.timeout_s)
 
-    def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list[bytes]:
+    def _head(self, kind: int, n: int, values: list[int], what: str, channel: str
+              ) -> list[list[int]]:
+        """The first collective of every exchange, of one shape whatever the call: its
+        kind, a length and up to 6 integers per rank. Ranks in different calls then learn it
+        here (gloo would abort the process on collectives of different sizes)."""
         group = self._groups.get(channel)
         if group is None:
             raise CoordinationError(f"{what}: the coordinator of {self.describe()} is closed")
-        n = self.world_size
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        self._run(lambda: dist.all_gather(sizes, size, group=group, async_op=True), what)
-        longest = max(1, max(int(s) for s in sizes))
+        mine = torch.tensor([kind, n, *values, *[0] * (6 - len(values))], dtype=torch.int64)
+        outs = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run(lambda: dist.all_gather(outs, mine, group=group, async_op=True), what)
+        heads = [o.tolist() for o in outs]
+        if len({h[0] for h in heads}) > 1:
+            said = ", ".join(f"rank {r}: {_KINDS.get(h[0], h[0])}" for r, h in enumerate(heads))
+            raise CoordinationError(
+                f"{what}: the ranks called pitstop differently ({said}); every rank must "
+                "make the same calls (step, save, restore ...) in the same order")
+        return heads
+
+    def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list[bytes]:
+        heads = self._head(2, len(data), [], what, channel)
+        group = self._groups[channel]
+        longest = max(1, max(h[1] for h in heads))
         mine = torch.zeros(longest, dtype=torch.uint8)
         if data:
             mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         self._run(lambda: dist.all_gather(outs, mine, group=group, async_op=True), what)
-        return [bytes(o[:int(s)].numpy()) for o, s in zip(outs, sizes, strict=True)]
+        return [bytes(o[:h[1]].numpy()) for o, h in zip(outs, heads, strict=True)]
 
     def all_gather_ints(self, values: list[int], *, what: str,
                         channel: str = "control") -> list[list[int]]:
-        group = self._groups.get(channel)
-        if group is None:
-            raise CoordinationError(f"{what}: the coordinator of {self.describe()} is closed")
-        mine = torch.tensor(values, dtype=torch.int64)
-        outs = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._run(lambda: dist.all_gather(outs, mine, group=group, async_op=True), what)
-        return [o.tolist() for o in outs]
+        if len(values) > 6:
+            return super().all_gather_ints(values, what=what, channel=channel)
+        return [h[2:2 + len(values)] for h in self._head(1, len(values), values, what, channel)]
 
     def _run(self, start: Any, what: str) -> None:
         try:

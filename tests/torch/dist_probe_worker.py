@@ -1,0 +1,11 @@
+"""A rank of a test world running the probe scenarios (dist_probe_scenarios.py) next to
+dist_worker.py's own: ``python dist_probe_worker.py <scenario> <rank> ...`` as dist_worker.py
+takes it."""
+
+import sys
+
+import dist_probe_scenarios  # noqa: F401 - registers its scenarios
+import dist_worker
+
+if __name__ == "__main__":
+    sys.exit(dist_worker.main(sys.argv[1:]))
