@@ -830,7 +830,9 @@ class CheckpointManager:
             return  # the newest valid one: newer ones are corrupt (moved aside) or unreadable
         # the newer checkpoints belong to a run this one abandons: from now on this manager
         # names and restores none of them, and the run's first step or save moves them aside
-        newer = [s for s in self._committed(hidden=True) if s > restored]
+        # (the index too: another rank's leader may already be moving them aside)
+        newer = sorted(s for s in set(self._committed(hidden=True)) | set(self._catalog.index)
+                       if s > restored)
         self._rolled_back_to = restored if newer else None
         self._abandoned = set(newer)
 
