@@ -651,13 +651,15 @@ class Engine:
         if coord.leader:
             try:
                 manifest = self._world_manifest(job, name, answers, answers_b, writer)
+                data = manifest.to_bytes()
+                parse(data, where)  # every entry checked (shards cover) before the commit
                 hook = self.hooks.get("before_commit")
                 if hook is not None:
                     hook(job.step)
                 verify = getattr(self.storage, "verify_held", None)
                 if verify is not None:
                     verify()
-                txn.commit(manifest.to_bytes())
+                txn.commit(data)
             except BaseException as e:  # noqa: BLE001
                 txn.abort()
                 failure = e
@@ -744,7 +746,6 @@ class Engine:
             if wrote[r]["structure"] != wrote[0]["structure"]:
                 rv.structure = wrote[r]["structure"]
             manifest.ranks.append(rv)
-        parse(manifest.to_bytes(), where)  # every entry checked (shards cover) before commit
         return manifest
 
     def _manifest(self, job: PersistJob, structure: Any, values: dict[str, Any]) -> Manifest:

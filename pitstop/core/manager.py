@@ -759,7 +759,8 @@ class CheckpointManager:
         job = PersistJob(step=step, buffer=buf, values=values, structure=flat.structure,
                          metrics=clean, handle=handle, user_metadata=user_meta,
                          check_finite=self.nonfinite_guard, nonfinite_metrics=nonfinite,
-                         global_shapes={k: list(flat.arrays[k].shape) for k in flat.sharded})
+                         global_shapes={k: list(flat.arrays[k].shape) for k in flat.sharded}
+                         if self._coord is not None else {})
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
         if len(self.stats) > 1000:

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from dist_save_scenarios import coordinator  # type: ignore[import-not-found]
 from dist_worker import (  # type: ignore[import-not-found]
     RESULT,
     Ctx,
@@ -33,12 +34,6 @@ from dist_worker import (  # type: ignore[import-not-found]
     scenario,
     train_step,
 )
-
-
-def coordinator(timeout_s: float = 30.0) -> Any:
-    from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
-
-    return ProcessGroupCoordinator(timeout_s=timeout_s)
 
 
 def opts(**kw: Any) -> dict[str, Any]:
