@@ -22,10 +22,10 @@ or a compiled model alike.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
-import io
 import pickle
 import re
 import tempfile
@@ -38,6 +38,7 @@ import torch
 
 from ...core.dtypes import ML_DTYPES
 from ...core.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -254,6 +255,9 @@ def _reason(e: BaseException) -> str:
     for ln in lines:
         if ln.startswith("WeightsUnpickler error:"):
             return ln[len("WeightsUnpickler error:"):].strip()
+    for ln in lines:  # a global of a module torch blocks outright (os, posix, subprocess...)
+        if "GLOBAL" in ln:
+            return ln
     return lines[0] if lines else type(e).__name__
 
 
@@ -378,6 +382,10 @@ DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
 })
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global or persistent id the restricted unpickler does not allow."""
+
+
 class _DCPMetadataUnpickler(pickle.Unpickler):
     """Reads a DCP ``.metadata`` pickle, refusing every global not in
     :data:`DCP_METADATA_GLOBALS` (or a torch dtype), so a hostile file cannot run code.
@@ -391,12 +399,12 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(
+        raise _Refused(
             f"global {module}.{name} is not one a DCP .metadata file holds (allowed: DCP's "
             "metadata classes, torch.Size, torch dtypes)")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not part of a DCP .metadata file")
+        raise _Refused("persistent ids are not part of a DCP .metadata file")
 
 
 def read_dcp_metadata(data: bytes, where: str) -> Any:
@@ -405,7 +413,7 @@ def read_dcp_metadata(data: bytes, where: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
     try:
         md = _DCPMetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
+    except _Refused as e:
         raise UnsupportedStateError(
             f"{where}: refused to read this DCP metadata file: {e}. pitstop reads DCP "
             "metadata with a restricted unpickler and never runs code from it; if the "
@@ -431,6 +439,7 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
         FileSystemReader,
         TensorStorageMetadata,
     )
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -485,8 +494,17 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # no_dist=True: read every shard in this one process, no process group needed
-        dcp.load(target, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
-                 no_dist=True)
+        try:
+            dcp.load(target, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
+                     no_dist=True)
+        except CheckpointException as e:  # DCP wraps each rank's error (a BaseException)
+            cause = next(iter(e.failures.values()))[0] if e.failures else e
+            if isinstance(cause, CheckpointError):  # our refusal, as it was raised
+                raise cause  # (its __cause__ is what torch refused)
+            raise CorruptCheckpointError(
+                f"{source}: DCP cannot read this checkpoint ({type(cause).__name__}: "
+                f"{cause}); are all its .distcp files there and complete?",
+                checkpoint=source) from cause
     return target
 
 
