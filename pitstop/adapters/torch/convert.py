@@ -500,7 +500,7 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
         except CheckpointException as e:  # DCP wraps each rank's error (a BaseException)
             cause = next(iter(e.failures.values()))[0] if e.failures else e
             if isinstance(cause, CheckpointError):  # our refusal, as it was raised
-                raise cause  # (its __cause__ is what torch refused)
+                raise cause from cause.__cause__  # what torch refused, not DCP's wrapper
             raise CorruptCheckpointError(
                 f"{source}: DCP cannot read this checkpoint ({type(cause).__name__}: "
                 f"{cause}); are all its .distcp files there and complete?",
