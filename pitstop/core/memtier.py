@@ -136,7 +136,7 @@ class MemoryTier:
                 return None
             with os.fdopen(fd, "rb", closefd=False) as f:
                 return json.loads(f.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return None
         finally:
             os.close(fd)
