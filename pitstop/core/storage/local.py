@@ -386,7 +386,13 @@ class LocalStorage(Storage):
     def lock(self) -> Any:
         """Take the directory's writer lock (flock: released by the kernel if the holder dies)."""
         path = os.path.join(self.location, META_DIR, "lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                         self.file_mode)
+            if self.permissions is not None:
+                _widen(fd, self.file_mode)  # new: the mode asked for, exactly
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
