@@ -44,8 +44,10 @@ def make_dirs(path: str, permissions: int | None) -> None:
     if permissions is None:
         os.makedirs(path, exist_ok=True)
         return
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise FileExistsError(errno.EEXIST, "not a directory", path)  # as os.makedirs
     missing = []
-    while not os.path.isdir(path):
+    while not os.path.lexists(path):  # (under a file: mkdir raises NotADirectoryError)
         missing.append(path)
         parent = os.path.dirname(path)
         if parent == path:
