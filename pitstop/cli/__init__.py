@@ -967,16 +967,6 @@ def _directory_id(storage: Storage) -> tuple[str | None, str | None]:
     return ident, None
 
 
-def _tier_meta(path: str) -> dict[str, Any] | None:
-    """A memory-tier description, or None when it is not one."""
-    try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
 def _gc_memory_tier(
     storage: Storage,
     root: str,
@@ -1011,6 +1001,15 @@ def _gc_memory_tier(
     ours = sorted(
         n for n in names if pattern.match(n) and _kind(os.path.join(root, n)) == stat.S_IFREG
     )
+    for n in list(ours):  # the tier trusts, and gc removes, only this user's own files
+        try:
+            owner = os.lstat(os.path.join(root, n)).st_uid
+        except OSError:
+            owner = os.geteuid()
+        if owner != os.geteuid():
+            ours.remove(n)
+            kept.append(f"{os.path.join(root, n)}: owned by {memtier.owner_name(owner)}, not "
+                        "by this user; left alone (the memory tier never trusts it)")
     newest = listing.steps[-1] if listing.steps else None
     keep: set[str] = set()
     if not args.drop_recoverable:
@@ -1020,8 +1019,8 @@ def _gc_memory_tier(
             if m.group(2) != "json":
                 continue
             buf = f"{stem}-{m.group(1)}.buf"
-            meta = _tier_meta(os.path.join(root, n))
-            if meta is None or buf not in ours:
+            meta = tier.read_description(os.path.join(root, n))
+            if not isinstance(meta, dict) or buf not in ours:
                 continue
             step = meta.get("step")
             if type(step) is not int:  # noqa: E721 - True is no step

@@ -61,6 +61,19 @@ def check_naming(step_prefix: Any, step_digits: Any) -> None:
            DEFAULT.digits if step_digits is None else step_digits)
 
 
+def check_permissions(permissions: Any) -> None:
+    """``permissions`` is None (the umask decides) or a directory mode that keeps the owner's
+    read, write and search bits (pitstop must use what it creates) and nothing beyond 0o777."""
+    if permissions is None:
+        return
+    if type(permissions) is not int or not 0 <= permissions <= 0o777 or \
+            permissions & 0o700 != 0o700:
+        raise InvalidArgumentError(
+            f"permissions must be None (follow the umask) or a directory mode from 0o700 to "
+            f"0o777 that keeps the owner's rwx bits, e.g. 0o700 (owner only, the default) or "
+            f"0o750 (group may read); got {permissions!r}")
+
+
 def check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:
     if save_policy is not None and not callable(getattr(save_policy, "should_save", None)):
         raise InvalidArgumentError(

@@ -123,6 +123,9 @@ class TierFallback:
         elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
             fix = (f"{self.root} is not writable here: give the job write access, or pass "
                    "memory_tier='<a writable dir on a tmpfs>'")
+        elif code == errno.EEXIST:
+            fix = ("a file pitstop did not make (another user's, or a symlink) is in the way: "
+                   "remove it, or pass memory_tier='<a directory of your own on a tmpfs>'")
         elif code == errno.ENOENT:
             fix = f"{self.root} does not exist: create it, or pass another memory_tier"
         else:

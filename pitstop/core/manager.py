@@ -36,6 +36,7 @@ from .arguments import (
     check_arguments,
     check_callables,
     check_naming,
+    check_permissions,
     check_user_metadata,
     clean_metrics,
     open_directory,
@@ -142,6 +143,7 @@ class CheckpointManager:
         step_digits: int | None = None,
         distributed: Any = "auto",
         storage_options: Mapping[str, Any] | None = None,
+        permissions: int | None = 0o700,
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -152,6 +154,7 @@ class CheckpointManager:
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         check_callables(save_policy, retention, on_save)
         check_naming(step_prefix, step_digits)
+        check_permissions(permissions)
         check_signals(save_on_signals)  # all of them, before anything is installed or written
         #: the ranks of the distributed job this manager saves with (None: one process)
         self._coord: Coordinator | None = None if read_only else _coordinator(distributed)
@@ -163,6 +166,7 @@ class CheckpointManager:
         leader = self._coord is None or self._coord.leader
         self.storage = open_directory(
             directory, durable=durable, create=not read_only and leader,
+            permissions=permissions,
             **({} if storage_options is None else {"storage_options": storage_options}))
         self.directory = self.storage.location
         self.read_only = read_only

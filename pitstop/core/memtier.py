@@ -16,10 +16,18 @@ job trusts a described snapshot only when all of these hold:
 
 Then it restores from memory and finishes persisting that snapshot. Everything else is
 deleted. ``close()`` of the manager removes the tier's files.
+
+Trust in the file itself: /dev/shm is shared by every user of the machine, so a tier file
+(description or buffer) is read only when it is a regular file (never a symlink) owned by
+this process's user and writable by nobody else (:func:`untrusted_file`); any other is
+skipped with one warning naming it and its owner, and cleanup leaves it alone. The tier creates its
+files owner-only (0o600) with ``O_EXCL | O_NOFOLLOW``, so a file or symlink another user
+planted at one of its names is never written through.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -27,6 +35,7 @@ import logging
 import os
 import re
 import socket
+import stat
 from typing import Any
 
 from .dtypes import decode_dtype, encode_dtype
@@ -41,6 +50,49 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+#: how the tier opens the files it creates: never through a symlink, never an existing file
+CREATE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def owner_name(uid: int) -> str:
+    try:
+        import pwd
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def untrusted_file(st: os.stat_result) -> str | None:
+    """Why a tier file with this (``lstat`` / ``fstat``) status must not be trusted, or None:
+    it must be a regular file this process's user owns that no one else may write."""
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by {owner_name(st.st_uid)}, not by this process's user"
+    if st.st_mode & 0o022:
+        return f"it is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def create_owned(path: str, flags: int) -> int:
+    """Open a new tier file owner-only with ``O_EXCL | O_NOFOLLOW`` (plus ``flags``). A
+    leftover of this user's at ``path`` (a regular file) is replaced; anything else there
+    (another user's file, a symlink) raises OSError and is left alone."""
+    for _ in range(2):
+        try:
+            return os.open(path, flags | CREATE_FLAGS, 0o600)
+        except FileExistsError:
+            st = os.lstat(path)
+            why = untrusted_file(st)
+            if why is not None and not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()):
+                raise OSError(errno.EEXIST, f"memory-tier file {path} is in the way and not "
+                              f"pitstop's to replace ({why})", path) from None
+            os.unlink(path)
+    raise OSError(errno.EEXIST, f"memory-tier file {path} keeps coming back", path)
 
 
 def default_root() -> str | None:
@@ -65,6 +117,49 @@ class MemoryTier:
         # and must not share (and truncate) the original's live buffers
         where = hashlib.sha1((self.directory + part).encode()).hexdigest()[:8]
         self.prefix = os.path.join(root, f"pitstop-{directory_id}-{where}")
+        #: the untrusted tier files already warned about (one warning each)
+        self._warned: set[str] = set()
+
+    def read_description(self, path: str) -> Any:
+        """The JSON of the description at ``path``, or None when it is gone, unreadable, or
+        not trusted (:func:`untrusted_file`: warned once, naming the file and its owner)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink: O_NOFOLLOW refused it
+                self._untrusted(path, os.lstat(path) if os.path.lexists(path) else None)
+            return None
+        try:
+            st = os.fstat(fd)
+            if untrusted_file(st) is not None:
+                self._untrusted(path, st)
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return json.loads(f.read())
+        except (OSError, ValueError, RecursionError):
+            return None
+        finally:
+            os.close(fd)
+
+    def _untrusted(self, path: str, st: os.stat_result | None) -> None:
+        if path in self._warned:
+            return
+        self._warned.add(path)
+        why = untrusted_file(st) if st is not None else "it is a symlink"
+        log.warning("pitstop: ignoring memory-tier file %s: %s. The memory tier only trusts "
+                    "regular files its own user owns and no one else can write; remove it "
+                    "if it is not yours to keep.", path, why)
+
+    def _own(self, path: str) -> bool:
+        """``path`` (not followed) is this user's to remove: owned by this process's user."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if st.st_uid != os.geteuid():
+            self._untrusted(path, st)
+            return False
+        return True
 
     def meta_path(self, buf: StagingBuffer) -> str:
         assert buf.shm_path is not None
@@ -107,10 +202,8 @@ class MemoryTier:
 
     def mark_committed(self, buf: StagingBuffer) -> None:
         path = self.meta_path(buf)
-        try:
-            with open(path) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
+        meta = self.read_description(path)
+        if not isinstance(meta, dict):
             return
         meta["committed"] = True
         self._write(path, meta)
@@ -120,7 +213,7 @@ class MemoryTier:
 
     def _write_text(self, path: str, text: str) -> None:
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with os.fdopen(create_owned(tmp, os.O_WRONLY), "w") as f:
             f.write(text)
         os.replace(tmp, path)
 
@@ -133,11 +226,7 @@ class MemoryTier:
         for meta_path in self._descriptions():
             if not _SLOT.match(meta_path[meta_path.rindex("-"):]):
                 continue
-            try:
-                with open(meta_path) as f:
-                    meta = json.load(f)
-            except (OSError, ValueError):
-                continue
+            meta = self.read_description(meta_path)
             if not isinstance(meta, dict):
                 continue
             out.append((meta, meta_path[: -len(".json")] + ".buf"))
@@ -151,12 +240,10 @@ class MemoryTier:
                                            f"pitstop-{glob.escape(self.directory_id)}-*.json")):
             if path.startswith(self.prefix + "-"):
                 continue
-            try:
-                with open(path) as f:
-                    meta = json.load(f)
-                written_for, part = meta.get("directory"), meta.get("part", "")
-            except (OSError, ValueError, AttributeError):
+            meta = self.read_description(path)
+            if not isinstance(meta, dict):
                 continue
+            written_for, part = meta.get("directory"), meta.get("part", "")
             if isinstance(written_for, str) and not _is_url(written_for) and \
                     not os.path.exists(written_for) and part == self.part:
                 moved.append(path)
@@ -196,11 +283,11 @@ class MemoryTier:
         """This directory's tier files (also those written under a path it was moved from):
         only names the tier itself makes."""
         out = [p for p in glob.glob(f"{glob.escape(self.prefix)}-*")
-               if _FILE.match(p[len(self.prefix):])]
+               if _FILE.match(p[len(self.prefix):]) and self._own(p)]
         for meta_path in self._descriptions():
             if not meta_path.startswith(self.prefix + "-"):
                 base = meta_path[: -len(".json")]
-                out += [x for x in (base + ".buf", meta_path) if os.path.exists(x)]
+                out += [x for x in (base + ".buf", meta_path) if self._own(x)]
         return sorted(set(out))
 
     def remove_all(self, keep: set[str] | None = None) -> None:

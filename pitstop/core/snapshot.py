@@ -105,10 +105,20 @@ class StagingBuffer:
         self._mmap: mmap.mmap | None = None
         size = max(layout.total, 1)
         if shm_path is not None:
-            flags = os.O_RDWR | os.O_CLOEXEC | (0 if attach else os.O_CREAT | os.O_TRUNC)
-            fd = os.open(shm_path, flags, 0o600)
+            # a memory-tier file in a directory every user shares (/dev/shm): made new,
+            # owner-only, never through a symlink; attached only when this user owns it
+            from .memtier import create_owned, untrusted_file
+            if attach:
+                fd = os.open(shm_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            else:
+                fd = create_owned(shm_path, os.O_RDWR)
             try:
-                if not attach:
+                if attach:
+                    why = untrusted_file(os.fstat(fd))
+                    if why is not None:
+                        raise PermissionError(f"memory-tier buffer {shm_path} is not trusted: "
+                                              f"{why}")
+                else:
                     os.ftruncate(fd, size)
                     # reserve tmpfs pages now: a full /dev/shm fails here with ENOSPC, not
                     # with SIGBUS in the middle of a snapshot

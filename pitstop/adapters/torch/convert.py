@@ -22,10 +22,11 @@ or a compiled model alike.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
-import pickle  # only for the exception type weights_only raises
+import pickle
 import re
 import tempfile
 import warnings
@@ -37,6 +38,7 @@ import torch
 
 from ...core.dtypes import ML_DTYPES
 from ...core.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -253,6 +255,9 @@ def _reason(e: BaseException) -> str:
     for ln in lines:
         if ln.startswith("WeightsUnpickler error:"):
             return ln[len("WeightsUnpickler error:"):].strip()
+    for ln in lines:  # a global of a module torch blocks outright (os, posix, subprocess...)
+        if "GLOBAL" in ln:
+            return ln
     return lines[0] if lines else type(e).__name__
 
 
@@ -328,9 +333,11 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
     """
     _refuse_existing(directory, step)
     source = os.fspath(path)
-    # weights_only=True: torch's restricted unpickler, which only rebuilds tensors and plain
-    # containers/values and refuses any other global, so a hostile file cannot run code.
-    # This explicit import helper is the only place pitstop unpickles a torch file.
+    # weights_only=True: torch's own restricted unpickler (torch._weights_only_unpickler),
+    # kept rather than a pitstop one because torch.save files rebuild tensors through
+    # storage/rebuild helpers only torch knows to allow, and torch maintains that allow-list
+    # with the format. It rebuilds tensors and plain containers/values only and refuses any
+    # other global, so a hostile file cannot run code (tests/torch/test_malicious_imports.py).
     try:
         obj = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:  # what weights_only raises for a refused object
@@ -350,6 +357,78 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
     return _write(state, directory, step, metrics)
 
 
+# ----------------------------------------------------------------------------- DCP metadata
+#: every global a DCP ``.metadata`` pickle names (torch 2.x): DCP's own metadata dataclasses,
+#: the storage info of its file system writer, ``torch.Size``, torch dtypes (any attribute of
+#: ``torch`` that is a ``torch.dtype``, checked below), the layout helper torch pickles
+#: layouts through, and the path classes a ``checkpoint_id`` may be. Each only builds data:
+#: none runs a command, imports a module or reads a file.
+DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global or persistent id the restricted unpickler does not allow."""
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Reads a DCP ``.metadata`` pickle, refusing every global not in
+    :data:`DCP_METADATA_GLOBALS` (or a torch dtype), so a hostile file cannot run code.
+
+    It subclasses the C unpickler bound when this module was imported: code that later
+    replaces ``pickle.load`` (tests/test_no_pickle.py traps it) does not reach it, and it
+    never calls ``pickle.load`` itself."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Refused(
+            f"global {module}.{name} is not one a DCP .metadata file holds (allowed: DCP's "
+            "metadata classes, torch.Size, torch dtypes)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("persistent ids are not part of a DCP .metadata file")
+
+
+def read_dcp_metadata(data: bytes, where: str) -> Any:
+    """The DCP ``Metadata`` pickled in ``data`` (the bytes of ``where``), read with the
+    restricted unpickler; anything else raises :class:`pitstop.UnsupportedStateError`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    try:
+        md = _DCPMetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise UnsupportedStateError(
+            f"{where}: refused to read this DCP metadata file: {e}. pitstop reads DCP "
+            "metadata with a restricted unpickler and never runs code from it; if the "
+            "directory really was written by torch.distributed.checkpoint, load it with DCP "
+            "in a trusted environment and import a torch.save of its state dict instead.") from e
+    except Exception as e:  # noqa: BLE001 - truncated/garbled pickles raise anything
+        raise CorruptCheckpointError(
+            f"{where}: cannot read this DCP metadata file ({type(e).__name__}: {e}); is the "
+            "DCP checkpoint complete?", checkpoint=where) from e
+    if not isinstance(md, Metadata):
+        raise UnsupportedStateError(
+            f"{where}: holds a {type(md).__name__}, not DCP checkpoint metadata")
+    return md
+
+
 def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
     """The whole DCP checkpoint as a nested dict of CPU tensors and values (public DCP API;
     imported here so that a torch built without torch.distributed still imports this module)."""
@@ -360,6 +439,8 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
         FileSystemReader,
         TensorStorageMetadata,
     )
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         """DCP's default planner, but non-tensor entries load with weights_only=True."""
@@ -377,10 +458,29 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
             else:
                 self.state_dict[fqn] = obj
 
-    reader = FileSystemReader(os.fspath(dcp_dir))
-    # DCP's .metadata file is a plain pickle (pickle.load: it can run code). See
-    # import_dcp: acceptable only for trusted directories, in this explicit helper.
-    metadata = reader.read_metadata()
+    class RestrictedReader(FileSystemReader):
+        """DCP's file system reader, but ``.metadata`` is read by the restricted unpickler
+        (FileSystemReader.read_metadata calls plain ``pickle.load``: it could run code)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+            with open(path, "rb") as f:
+                md = read_dcp_metadata(f.read(), path)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    source = os.fspath(dcp_dir)
+    reader = RestrictedReader(source)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"{source}: no DCP checkpoint there (no .metadata file)") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{source}: cannot read its .metadata ({e})",
+                                     checkpoint=source) from e
     planner_data = metadata.planner_data or {}
     target: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -394,8 +494,17 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # no_dist=True: read every shard in this one process, no process group needed
-        dcp.load(target, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
-                 no_dist=True)
+        try:
+            dcp.load(target, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
+                     no_dist=True)
+        except CheckpointException as e:  # DCP wraps each rank's error (a BaseException)
+            cause = next(iter(e.failures.values()))[0] if e.failures else e
+            if isinstance(cause, CheckpointError):  # our refusal, as it was raised
+                raise cause from cause.__cause__  # what torch refused, not DCP's wrapper
+            raise CorruptCheckpointError(
+                f"{source}: DCP cannot read this checkpoint ({type(cause).__name__}: "
+                f"{cause}); are all its .distcp files there and complete?",
+                checkpoint=source) from cause
     return target
 
 
@@ -431,11 +540,13 @@ def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | 
     optimizer before its first step) is put back, other empty dicts do not come back.
     ``key`` picks one entry; ``strip_prefixes`` is as for :func:`import_torch_save`.
 
-    Trust: DCP's ``.metadata`` file is a plain pickle, and reading it can execute code.
-    Import only DCP directories you trust (ones your own jobs wrote). That is acceptable
-    here because this is an explicit, one-off migration helper; pitstop's own load path
-    never unpickles. Non-tensor entries are loaded with ``torch.load(weights_only=True)``
-    (DCP itself uses ``weights_only=False``).
+    Trust: DCP's ``.metadata`` file is a pickle, which DCP itself reads with plain
+    ``pickle.load`` (it can run code). pitstop reads it with a restricted unpickler that
+    builds only DCP's metadata classes, ``torch.Size`` and torch dtypes
+    (:data:`DCP_METADATA_GLOBALS`); anything else raises :class:`pitstop.UnsupportedStateError`
+    before any of it runs. Tensor entries are read by DCP with ``torch.load(weights_only=True)``,
+    non-tensor entries by pitstop with ``torch.load(weights_only=True)`` too (DCP itself
+    uses ``weights_only=False`` there).
     """
     _refuse_existing(directory, step)
     tree = _dcp_keys(_load_dcp(dcp_dir))

@@ -42,6 +42,7 @@ def open_storage(location: str | os.PathLike[str] | Storage, *,
         return location
     text = os.fspath(location)
     if is_url(text):
+        kwargs.pop("permissions", None)  # object stores have no POSIX modes (docs/security.md)
         return FsspecStorage(text, **kwargs, **dict(storage_options or {}))
     if storage_options:
         from ..errors import InvalidArgumentError

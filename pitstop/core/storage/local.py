@@ -26,6 +26,48 @@ from .base import Storage, Transaction, Writer
 _TMP_META = re.compile(r"^.+\.tmp-[0-9a-f]{8}$")
 META_DIR = ".pitstop"
 MANIFEST = "manifest.json"
+#: the directory mode pitstop gives what it creates unless told otherwise (owner only); its
+#: files get the same without the execute bits (0o600)
+OWNER_ONLY = 0o700
+
+
+def file_mode(permissions: int | None) -> int:
+    """The mode a new file is created with: the directory mode without execute bits, or
+    0o644 (less the umask, as before) when ``permissions`` is None."""
+    return 0o644 if permissions is None else permissions & 0o666
+
+
+def make_dirs(path: str, permissions: int | None) -> None:
+    """Create ``path`` and its missing parents, each with mode ``permissions`` exactly (the
+    umask may only have narrowed it); directories that exist already are left as they are,
+    never chmod-ed. ``None``: the umask decides, as ``os.makedirs`` does."""
+    if permissions is None:
+        os.makedirs(path, exist_ok=True)
+        return
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise FileExistsError(errno.EEXIST, "not a directory", path)  # as os.makedirs
+    missing = []
+    while not os.path.lexists(path):  # (under a file: mkdir raises NotADirectoryError)
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, permissions)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue  # made by someone else meanwhile: theirs, left alone
+        os.chmod(d, permissions)
+
+
+def _widen(fd: int, mode: int) -> None:
+    """Give a file just created with ``mode`` the bits the umask took off (only when the
+    user asked for more than owner access: the default 0o600 needs no call)."""
+    if mode & 0o077:
+        os.fchmod(fd, mode)
 
 
 def pread_full(fd: int, out: Any, offset: int) -> int:
@@ -62,19 +104,25 @@ class _FileWriter(Writer):
 
     __slots__ = ("fd", "durable", "direct")
 
-    def __init__(self, path: str, durable: bool, direct: bool = False) -> None:
+    def __init__(self, path: str, durable: bool, direct: bool = False,
+                 mode: int | None = None) -> None:
+        """``mode``: the file's exact mode; None: 0o644 less the umask."""
+        exact = mode is not None
+        mode = 0o644 if mode is None else mode
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.fd = os.open(path, flags | os.O_DIRECT, mode)
                 self.direct = True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
         if not self.direct:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = os.open(path, flags, mode)
         self.durable = durable
+        if exact:
+            _widen(self.fd, mode)
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -108,7 +156,10 @@ class _LocalTransaction(Transaction):
         self.token = token or uuid.uuid4().hex[:8]
         self.tmp = os.path.join(storage.location, tmp_name(name, self.token))
         if token is None:
-            os.mkdir(self.tmp)
+            perm = storage.permissions
+            os.mkdir(self.tmp, 0o777 if perm is None else perm)
+            if perm is not None:
+                os.chmod(self.tmp, perm)  # exactly: the umask may have narrowed it
         elif not os.path.isdir(self.tmp):
             raise FileNotFoundError(errno.ENOENT, "the leader's temporary checkpoint is gone "
                                     "(aborted, or another file system than the leader's)",
@@ -118,14 +169,16 @@ class _LocalTransaction(Transaction):
 
     def open_write(self, relpath: str, direct: bool = False) -> Writer:
         path = os.path.join(self.tmp, relpath)
-        w = _FileWriter(path, self.storage.durable, direct and self.storage.direct_io)
+        w = _FileWriter(path, self.storage.durable, direct and self.storage.direct_io,
+                        self.storage.exact_file_mode)
         self.written.append(path)
         return w
 
     def commit(self, manifest: bytes) -> None:
         if self.joined is not None:
             raise RuntimeError("only the leader's transaction commits")
-        w = _FileWriter(os.path.join(self.tmp, MANIFEST), self.storage.durable)
+        w = _FileWriter(os.path.join(self.tmp, MANIFEST), self.storage.durable,
+                        mode=self.storage.exact_file_mode)
         try:
             w.write(manifest)
         finally:
@@ -154,16 +207,27 @@ class _LocalTransaction(Transaction):
 
 
 class LocalStorage(Storage):
+    """A checkpoint directory on a local (POSIX) file system.
+
+    ``permissions`` is the mode of every directory it creates (the run directory and its
+    missing parents, ``.pitstop``, each checkpoint's directory); the files it creates get the
+    same without the execute bits. Owner-only (0o700 / 0o600) by default; ``None`` lets the
+    umask decide, as before. A directory that exists already is never chmod-ed."""
+
     atomic_rename = True
     supports_locking = True
 
     def __init__(self, location: str, *, durable: bool = True, create: bool = True,
-                 direct_io: bool = True) -> None:
+                 direct_io: bool = True, permissions: int | None = OWNER_ONLY) -> None:
         self.location = os.path.abspath(os.fspath(location))
         self.durable = durable
         self.direct_io = direct_io
+        self.permissions = permissions
+        self.file_mode = file_mode(permissions)
+        #: the mode new files get exactly, or None where the umask decides
+        self.exact_file_mode = None if permissions is None else self.file_mode
         if create:
-            os.makedirs(os.path.join(self.location, META_DIR), exist_ok=True)
+            make_dirs(os.path.join(self.location, META_DIR), permissions)
 
     # ------------------------------------------------------------------ writes
     def begin(self, name: str) -> Transaction:
@@ -264,7 +328,11 @@ class LocalStorage(Storage):
     def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
         path = os.path.join(self.location, META_DIR, relpath)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
+        mode = 0o666 if self.permissions is None else self.file_mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        if self.permissions is not None:
+            _widen(fd, mode)
+        with open(fd, "wb") as f:
             f.write(data)
             if self.durable and durable:
                 f.flush()
@@ -320,7 +388,13 @@ class LocalStorage(Storage):
     def lock(self) -> Any:
         """Take the directory's writer lock (flock: released by the kernel if the holder dies)."""
         path = os.path.join(self.location, META_DIR, "lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                         self.file_mode)
+            if self.permissions is not None:
+                _widen(fd, self.file_mode)  # new: the mode asked for, exactly
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
