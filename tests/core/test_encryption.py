@@ -92,6 +92,11 @@ def test_round_trip_is_bit_exact_and_nothing_is_plaintext(tmp_path, compression)
     assert man["encryption"]["key_id"] == enc().key_id
     base = "none" if compression is None else "zstd+shuffle4"
     assert man["arrays"]["w"]["codec"] == crypto.codec_of(base)
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "docs" / "manifest.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    assert not [e.message for e in validator.iter_errors(man)][:3]
+    assert not validator.is_valid({k: v for k, v in man.items() if k != "manifest_mac"})
     assert MARK not in files_bytes(d)
     assert KEY not in files_bytes(d) and KEY.hex().encode() not in files_bytes(d)
     with mgr(d, compression=compression) as m:
