@@ -384,3 +384,90 @@ def test_object_storage_round_trip(monkeypatch):
         same(t, state_of(2))
     with pytest.raises(pitstop.EncryptionKeyError):
         mgr(url, key=None)
+
+
+def test_several_ranks_each_encrypt_their_files(tmp_path):
+    from test_coordination import ranks
+    d = tmp_path / "ck"
+
+    def open_rank(coord, key=KEY):
+        return pitstop.CheckpointManager(d, distributed=coord, save_on_signals=None,
+                                         memory_tier=False, encryption=enc(key))
+
+    def job(rank, coord):
+        with open_rank(coord) as m:
+            m.save(1, {**state_of(1), "mine": np.full(4, rank)}).wait()
+
+    ranks(2, job)
+    r = CheckpointReader(LocalStorage(str(d)), "step_0000000001", encryption=enc())
+    assert r.manifest.world == 2 and r.manifest.encryption is not None
+    assert sorted({f.split("-")[1] for f in r.manifest.files}) == ["r00000", "r00001"]
+    r.verify()  # every rank's files
+    assert MARK not in files_bytes(d)
+
+    def resume(rank, coord):
+        t = {**blank(), "mine": np.zeros(4, int)}
+        with open_rank(coord) as m:
+            return m.restore(t), t["mine"].tolist(), t["w"].tobytes() == state_of(1)["w"].tobytes()
+
+    assert ranks(2, resume) == [(1, [0] * 4, True), (1, [1] * 4, True)]
+
+    def other_key(rank, coord):
+        try:
+            open_rank(coord, KEY if rank == 0 else OTHER).close()
+        except pitstop.CheckpointError as e:
+            return str(e)
+        return None
+
+    said = ranks(2, other_key)
+    assert all(s and enc(OTHER).key_id in s for s in said), said
+
+
+_CHILD = """
+import sys, time
+import numpy as np
+import pitstop
+d = sys.argv[1]
+mgr = pitstop.CheckpointManager(d, save_on_signals=None, encryption=pitstop.Encryption())
+def hold(step):
+    if step == 2:
+        print("HOLD", mgr.directory_id, flush=True)
+        time.sleep(600)
+mgr.hooks["before_write"] = hold
+marked = lambda s: {"m": np.frombuffer(%r * 2048, np.uint8) + 0, "step": s}
+mgr.save(1, marked(1)).wait()
+mgr.save(2, marked(2))
+time.sleep(600)
+""" % MARK
+
+
+def test_memory_tier_recovery_persists_encrypted(tmp_path):
+    """A writer SIGKILLed mid-persist: the next one restores the plaintext snapshot from
+    /dev/shm and persists it encrypted, like any save."""
+    from pitstop.core.memtier import default_root
+    if default_root() is None:
+        pytest.skip("no usable /dev/shm")
+    d = tmp_path / "ck"
+    env = {**os.environ, crypto.ENV: KEY.hex()}
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(d)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("HOLD"), p.stderr.read()
+    finally:
+        p.kill()
+        p.wait(30)
+    ident = line.split()[1]
+    try:
+        with mgr(d, memory_tier=None) as m:
+            t = {"m": np.zeros(len(MARK) * 2048, np.uint8), "step": 0}
+            assert m.restore(t) == 2 and t["m"].tobytes() == MARK * 2048
+            m.wait()
+            assert m.all_steps() == [1, 2]
+        man = json.loads((step_dir(d, 2) / "manifest.json").read_bytes())
+        assert man["format_version"] == "3.0" and man["encryption"]["key_id"] == enc().key_id
+        assert MARK not in files_bytes(d)
+    finally:
+        import glob
+        for f in glob.glob(f"{default_root()}/pitstop-{ident}-*"):
+            os.unlink(f)
