@@ -497,13 +497,24 @@ def _encryption() -> Any:
     return _KEY[0]
 
 
+def _plaintext_ok(storage: Storage) -> bool:
+    """False in a directory whose identity records encryption: a plaintext checkpoint there
+    was not written by its runs (it is not authenticated), so verify reports it."""
+    try:
+        raw = storage.read_meta("directory.json")
+        doc = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
+        return True
+    return not (isinstance(doc, dict) and doc.get("encryption"))
+
+
 def _reader(storage: Storage, name: str, naming: Naming) -> CheckpointReader:
     """The checkpoint's reader (manifest parsed and validated); any failure is a CliError
     with the right exit status: 1 when the checkpoint is at fault, 2 when it is not."""
     key = _encryption()
     try:
         return CheckpointReader(storage, name, naming=naming, encryption=key,
-                                plaintext_ok=True)
+                                plaintext_ok=key is None or _plaintext_ok(storage))
     except Exception as e:  # noqa: BLE001 - every way a manifest can be broken
         code, why = _failure(e, storage.path_of(name))
         raise CliError(why, code) from None
@@ -775,8 +786,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"step {s}: gone (deleted while listing), skipped")
                 continue
             try:
-                reader = CheckpointReader(storage, name, naming=naming,
-                                          encryption=_encryption(), plaintext_ok=True)
+                key = _encryption()
+                reader = CheckpointReader(storage, name, naming=naming, encryption=key,
+                                          plaintext_ok=key is None or _plaintext_ok(storage))
                 reader.verify()
             except CorruptCheckpointError as e:
                 if isinstance(storage, FsspecStorage) and _gone(storage, name):

@@ -333,6 +333,10 @@ def test_key_forms_and_bad_keys_never_show_the_key(monkeypatch):
         pickle.dumps(e)
     with pytest.raises(pitstop.InvalidArgumentError, match="pitstop.Encryption"):
         pitstop.CheckpointManager("/tmp/never", encryption=KEY)
+    # without the 'cryptography' package: say how to get it
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+    with pytest.raises(pitstop.CheckpointError, match=r"pip install 'pitstop\[crypto\]'"):
+        enc()
 
 
 def test_the_key_is_in_no_log_file_or_error(tmp_path, caplog, monkeypatch):
@@ -427,18 +431,18 @@ _CHILD = """
 import sys, time
 import numpy as np
 import pitstop
-d = sys.argv[1]
+d, MARK = sys.argv[1], sys.argv[2].encode()
 mgr = pitstop.CheckpointManager(d, save_on_signals=None, encryption=pitstop.Encryption())
 def hold(step):
     if step == 2:
         print("HOLD", mgr.directory_id, flush=True)
         time.sleep(600)
 mgr.hooks["before_write"] = hold
-marked = lambda s: {"m": np.frombuffer(%r * 2048, np.uint8) + 0, "step": s}
+marked = lambda s: {"m": np.frombuffer(MARK * 2048, np.uint8) + 0, "step": s}
 mgr.save(1, marked(1)).wait()
 mgr.save(2, marked(2))
 time.sleep(600)
-""" % MARK
+"""
 
 
 def test_memory_tier_recovery_persists_encrypted(tmp_path):
@@ -449,7 +453,7 @@ def test_memory_tier_recovery_persists_encrypted(tmp_path):
         pytest.skip("no usable /dev/shm")
     d = tmp_path / "ck"
     env = {**os.environ, crypto.ENV: KEY.hex()}
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(d)], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(d), MARK.decode()], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         line = p.stdout.readline()
