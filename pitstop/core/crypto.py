@@ -213,6 +213,49 @@ def stored_length(n: int, segment: int = SEGMENT) -> int:
     return n + max(1, math.ceil(n / segment)) * OVERHEAD
 
 
+class Sink:
+    """Stored segments gathered in one page-aligned buffer of a data file's writer and
+    written in whole pages, so an encrypted file goes out with O_DIRECT like a raw one (no
+    page-cache copy); memory: this one buffer, whatever the arrays' sizes."""
+
+    ALIGN = 4096
+
+    def __init__(self, writer: Any, segment: int) -> None:
+        self.w = writer
+        size = -(-max(8 << 20, 2 * (segment + OVERHEAD)) // self.ALIGN) * self.ALIGN
+        raw = np.empty(size + self.ALIGN, np.uint8)
+        start = -raw.ctypes.data % self.ALIGN
+        self.buf = raw[start:start + size]
+        self.fill = 0
+
+    def reserve(self, n: int) -> np.ndarray:
+        """The next ``n`` bytes of the file, to be filled by the caller."""
+        if self.fill + n > self.buf.size:
+            self._flush()
+        view = self.buf[self.fill:self.fill + n]
+        self.fill += n
+        return view
+
+    def _flush(self) -> None:
+        keep = self.fill % self.ALIGN if getattr(self.w, "direct", False) else 0
+        cut = self.fill - keep
+        self.w.write(self.buf[:cut])
+        self.buf[:keep] = self.buf[cut:self.fill]
+        self.fill = keep
+
+    def close(self) -> int:
+        """Write what is left (zero-padded to a whole page under O_DIRECT); returns the
+        padding's length, which the file's recorded length includes."""
+        end = self.fill
+        if getattr(self.w, "direct", False):
+            end = -(-end // self.ALIGN) * self.ALIGN
+            self.buf[self.fill:end] = 0
+        if end:
+            self.w.write(self.buf[:end])
+        pad, self.fill = end - self.fill, 0
+        return pad
+
+
 class SaveCipher:
     """Encrypts and decrypts the segments of one checkpoint's arrays."""
 
@@ -225,23 +268,22 @@ class SaveCipher:
         return b"pitstop/1\0%s\0%s\0%d\0%d\0%d" % (self.context, file.encode(), offset, seg,
                                                     last)
 
-    def encrypt(self, payload: Any, file: str, offset: int, write: Callable[[Any], None],
-                hasher: Any, scratch: np.ndarray) -> int:
-        """Encrypt ``payload`` (an array stored at ``offset`` of ``file``) segment by segment
-        through ``scratch`` (``segment + 28`` bytes): hashed, written; returns the stored
-        length. Memory beyond the payload: one segment."""
+    def encrypt(self, payload: Any, file: str, offset: int,
+                reserve: Callable[[int], np.ndarray], hasher: Any) -> int:
+        """Encrypt ``payload`` (an array stored at ``offset`` of ``file``) segment by segment,
+        each straight into the next ``reserve(n)`` bytes of the file's output buffer
+        (:class:`Sink`), and hash the stored bytes; returns the stored length."""
         view = memoryview(payload).cast("B")
         n, s = len(view), self.segment
         count = max(1, math.ceil(n / s))
         for i in range(count):
             part = view[i * s:(i + 1) * s]
-            out = scratch[:NONCE + len(part) + TAG]
+            out = reserve(NONCE + len(part) + TAG)
             nonce = secrets.token_bytes(NONCE)
             out[:NONCE] = np.frombuffer(nonce, np.uint8)
             self.aead.encrypt_into(nonce, part, self._aad(file, offset, i, i == count - 1),
                                    out[NONCE:])
             hasher.update(out)
-            write(out)
         return n + count * OVERHEAD
 
     def plain_length(self, stored: int) -> int | None:

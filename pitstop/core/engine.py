@@ -874,7 +874,7 @@ class Engine:
         entries: dict[str, ArrayEntry] = {}
         raw = self.compression in (None, "none") and cipher is None
         runs = _runs(group)
-        w = txn.open_write(fname, direct=raw and len(runs) == 1)
+        w = txn.open_write(fname, direct=(raw and len(runs) == 1) or cipher is not None)
         try:
             if raw:
                 # each run of consecutive arrays is one contiguous, page-aligned region of
@@ -899,9 +899,10 @@ class Engine:
                     pos += end - start
                 length = pos
             elif cipher is not None:
-                # compressed first (when on), then encrypted: one segment in memory at a time
-                from .crypto import OVERHEAD, codec_of
-                scratch = np.empty(cipher.segment + OVERHEAD, np.uint8)
+                # compressed first (when on), then encrypted segment by segment into one
+                # page-aligned buffer, written in whole pages (O_DIRECT where allowed)
+                from .crypto import Sink, codec_of
+                sink = Sink(w, cipher.segment)
                 pos = 0
                 for i in group:
                     k = layout.keys[i]
@@ -909,13 +910,13 @@ class Engine:
                     base = codecs.codec_name(self.compression, layout.dtypes[i].itemsize)
                     payload = codecs.encode(base, buf.buf[off:off + n])
                     h = new_hasher(self.hash_algorithm)
-                    size = cipher.encrypt(payload, fname, pos, w.write, h, scratch)
+                    size = cipher.encrypt(payload, fname, pos, sink.reserve, h)
                     entries[k] = ArrayEntry(
                         dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
                         file=fname, offset=pos, length=size, hash=str(h.hexdigest()),
                         codec=codec_of(base))
                     pos += size
-                length = pos
+                length = pos + sink.close()
             else:
                 pos = 0
                 for i in group:
