@@ -220,9 +220,10 @@ class Sink:
 
     ALIGN = 4096
 
-    def __init__(self, writer: Any, segment: int) -> None:
+    def __init__(self, writer: Any, largest: int) -> None:
+        """``largest``: the most bytes one :meth:`reserve` asks for (one stored segment)."""
         self.w = writer
-        size = -(-max(8 << 20, 2 * (segment + OVERHEAD)) // self.ALIGN) * self.ALIGN
+        size = -(-(largest + self.ALIGN) // self.ALIGN) * self.ALIGN
         raw = np.empty(size + self.ALIGN, np.uint8)
         start = -raw.ctypes.data % self.ALIGN
         self.buf = raw[start:start + size]

@@ -901,8 +901,11 @@ class Engine:
             elif cipher is not None:
                 # compressed first (when on), then encrypted segment by segment into one
                 # page-aligned buffer, written in whole pages (O_DIRECT where allowed)
-                from .crypto import Sink, codec_of
-                sink = Sink(w, cipher.segment)
+                from .crypto import OVERHEAD, Sink, codec_of
+                # the largest segment of these arrays (compressed ones may grow a little)
+                most = cipher.segment if self.compression not in (None, "none") else \
+                    min(cipher.segment, max(layout.nbytes[i] for i in group))
+                sink = Sink(w, most + OVERHEAD)
                 pos = 0
                 for i in group:
                     k = layout.keys[i]
