@@ -13,7 +13,9 @@ in one process and one run:
   bytes are hashed and written by a separate process reading the shared-memory snapshot.
 
 Every figure is reported as a ratio to its floor. Run: ``python benchmarks/bench_save.py
---sizes 64M,1G`` (``make bench``). Never part of the test run.
+--sizes 64M,1G`` (``make bench``). ``--encryption`` adds, per size, the same figures with
+``encryption=pitstop.Encryption(...)`` (AES-256-GCM), measured against the same floors in the
+same run, and their ratio to the plaintext ones. Never part of the test run.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def floor_read(dst: list[np.ndarray], ckpt: str) -> float:
 
 
 def measure(state: dict, workdir: str, reps: int, memory_tier: bool,
-            writer_threads: int | None = None) -> dict:
+            writer_threads: int | None = None, encryption: object = None) -> dict:
     """Each figure next to its floor, interleaved rep by rep (floor, pitstop, floor, ...) so
     drift of this shared machine hits both; ratios are medians of per-rep ratios."""
     d = os.path.join(workdir, "ckpt")
@@ -139,12 +141,12 @@ def measure(state: dict, workdir: str, reps: int, memory_tier: bool,
     out: dict = {}
     target = {"params": {k: np.zeros_like(a) for k, a in state["params"].items()}, "step": 0}
     with pitstop.CheckpointManager(d, memory_tier=memory_tier, save_on_signals=(),
-                                   writer_threads=writer_threads) as mgr:
+                                   writer_threads=writer_threads, encryption=encryption) as mgr:
         base_rss = rss()
         with PeakRSS() as peak:
             mgr.save(0, state).wait()  # allocates the staging buffer, once
         out["extra_mem_first_save"] = (peak.peak - base_rss) / nbytes
-        reader = pitstop.CheckpointManager(d, read_only=True)
+        reader = pitstop.CheckpointManager(d, read_only=True, encryption=encryption)
         reader.restore(target, step=0)  # warm the page cache, as the floor's read is warm
         base = rss()
         with PeakRSS() as peak:
@@ -284,6 +286,8 @@ def main() -> None:
     ap.add_argument("--writer-threads", type=int, default=None)
     ap.add_argument("--no-contention", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--encryption", action="store_true",
+                    help="also measure every size with AES-256-GCM encryption at rest")
     args = ap.parse_args()
     workdir = args.dir or tempfile.mkdtemp(prefix="pitstop-bench-")
     os.makedirs(workdir, exist_ok=True)
@@ -295,6 +299,13 @@ def main() -> None:
         c = {} if args.no_contention else contention(state, workdir)
         row = {"size": text, "bytes": n, **p, **c}
         rows.append(row)
+        if args.encryption:
+            key = os.urandom(32)
+            e = measure(state, workdir, args.reps, args.memory_tier, args.writer_threads,
+                        pitstop.Encryption(lambda key=key: key))
+            e.update({f"{k} vs plain": e[k] / p[k] for k in (
+                "stall", "save_to_commit", "restore", "lost_per_save") if p[k] > 0})
+            rows.append({"size": text + " aes-256-gcm", "bytes": n, **e})
         del state
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -315,6 +326,10 @@ def main() -> None:
                     ok = v >= goal if k.endswith(("_threads",)) else v <= goal
                     print(f"   {k:24s} {v:7.3f}   (target {'>=' if k.endswith('_threads') else '<='} "
                           f"{goal}) {'ok' if ok else 'MISS'}")
+            for k in ("stall vs plain", "save_to_commit vs plain", "restore vs plain",
+                      "lost_per_save vs plain"):
+                if k in row:
+                    print(f"   {k:24s} {row[k]:7.3f}   (encrypted / plaintext, same run)")
             for k in ("numpy_loop_process", "python_loop_process"):
                 if k in row:
                     print(f"   {k:24s} {row[k]:7.3f}   (alternative: separate writer process)")

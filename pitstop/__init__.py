@@ -9,6 +9,7 @@
 from ._version import __version__
 from .adapters.rng import RNG
 from .core.coordination import CoordinationError
+from .core.crypto import Encryption
 from .core.engine import SaveHandle, SaveStats
 from .core.errors import (
     CheckpointError,
@@ -16,6 +17,7 @@ from .core.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    EncryptionKeyError,
     IncompatibleTargetError,
     InvalidArgumentError,
     StepExistsError,
@@ -36,7 +38,7 @@ from .core.policy import (
 )
 
 __all__ = [
-    "CheckpointManager", "SaveHandle", "SaveStats", "RNG",
+    "CheckpointManager", "SaveHandle", "SaveStats", "RNG", "Encryption", "EncryptionKeyError",
     "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError", "InvalidArgumentError",
     "UnsupportedFormatError", "DirectoryLockedError", "CheckpointNotFoundError",
     "StepExistsError", "CheckpointWriteError", "UnsupportedStateError", "CoordinationError",

@@ -42,7 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import memtier
-from ..core.errors import CheckpointError, CorruptCheckpointError, DirectoryLockedError
+from ..core.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    EncryptionKeyError,
+)
 from ..core.names import DEFAULT, Naming
 from ..core.reader import CheckpointReader, nbytes_of
 from ..core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
@@ -458,6 +463,8 @@ def _lease(storage: Storage, name: str) -> Iterator[None]:
 
 def _failure(e: BaseException, where: str) -> tuple[int, str]:
     """(exit status, reason) of a checkpoint that could not be read or verified."""
+    if isinstance(e, EncryptionKeyError):
+        return ERROR, str(e)  # no key or another key: not the checkpoint's fault
     if isinstance(e, CheckpointError):  # corrupt, or written by a newer pitstop
         if not isinstance(e, CorruptCheckpointError) and isinstance(
                 e.__cause__ or e.__context__, ObjectStoreError):
@@ -475,11 +482,39 @@ def _failure(e: BaseException, where: str) -> tuple[int, str]:
     return CORRUPT, f"{where}: malformed checkpoint ({type(e).__name__}: {e})"
 
 
+_KEY: list[Any] = []
+
+
+def _encryption() -> Any:
+    """The key of encrypted checkpoints, from PITSTOP_ENCRYPTION_KEY (None when unset; read
+    once). Plaintext checkpoints are read as well: the CLI inspects both kinds."""
+    from ..core.crypto import ENV, Encryption
+    if not _KEY:
+        try:
+            _KEY.append(Encryption() if os.environ.get(ENV) else None)
+        except CheckpointError as e:
+            raise CliError(str(e), ERROR) from None
+    return _KEY[0]
+
+
+def _plaintext_ok(storage: Storage) -> bool:
+    """False in a directory whose identity records encryption: a plaintext checkpoint there
+    was not written by its runs (it is not authenticated), so verify reports it."""
+    try:
+        raw = storage.read_meta("directory.json")
+        doc = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
+        return True
+    return not (isinstance(doc, dict) and doc.get("encryption"))
+
+
 def _reader(storage: Storage, name: str, naming: Naming) -> CheckpointReader:
     """The checkpoint's reader (manifest parsed and validated); any failure is a CliError
     with the right exit status: 1 when the checkpoint is at fault, 2 when it is not."""
+    key = _encryption()
     try:
-        return CheckpointReader(storage, name, naming=naming)
+        return CheckpointReader(storage, name, naming=naming, encryption=key,
+                                plaintext_ok=key is None or _plaintext_ok(storage))
     except Exception as e:  # noqa: BLE001 - every way a manifest can be broken
         code, why = _failure(e, storage.path_of(name))
         raise CliError(why, code) from None
@@ -662,6 +697,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"all finite: {'unchecked' if m.all_finite is None else m.all_finite}",
         file=out,
     )
+    if m.encryption is not None:
+        print(f"  encrypted: {m.encryption.get('algorithm')}, key id "
+              f"{m.encryption.get('key_id')}", file=out)
     print(f"  metrics: {_metric_text(m.metrics)}", file=out)
     if m.user_metadata:
         print(f"  user_metadata: {_short(m.user_metadata)}", file=out)
@@ -710,6 +748,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ====================================================================== verify
 def cmd_verify(args: argparse.Namespace) -> int:
+    _encryption()  # a malformed key is said once, before any checkpoint is read
     storage = _open(args.dir, args.storage_option)
     listing = _scan(storage)
     naming = listing.naming
@@ -747,7 +786,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"step {s}: gone (deleted while listing), skipped")
                 continue
             try:
-                reader = CheckpointReader(storage, name, naming=naming)
+                key = _encryption()
+                reader = CheckpointReader(storage, name, naming=naming, encryption=key,
+                                          plaintext_ok=key is None or _plaintext_ok(storage))
                 reader.verify()
             except CorruptCheckpointError as e:
                 if isinstance(storage, FsspecStorage) and _gone(storage, name):

@@ -178,3 +178,15 @@ def wrap_os(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> An
         else:
             what = f"cannot be used ({type(e).__name__}: {e})"
         raise CheckpointError(f"checkpoint directory {where} {what}") from e
+
+
+def check_encryption(encryption: Any) -> None:
+    """``encryption`` is None or a :class:`pitstop.Encryption` (the key, already checked)."""
+    if encryption is None:
+        return
+    from .crypto import Encryption
+    if not isinstance(encryption, Encryption):
+        raise InvalidArgumentError(
+            f"encryption must be None or pitstop.Encryption(...), got a "
+            f"{type(encryption).__name__} (a raw key is never accepted as an argument: "
+            "pitstop.Encryption(key=callable) or the PITSTOP_ENCRYPTION_KEY variable)")

@@ -42,6 +42,8 @@ class Identity:
 
     directory_id: str
     naming: Naming
+    #: ``{"algorithm", "key_id"}`` of a directory whose checkpoints are encrypted; else None
+    encryption: dict[str, Any] | None = None
 
 
 def read_identity(storage: Storage, *, required: bool) -> Identity | None:
@@ -72,10 +74,16 @@ def read_identity(storage: Storage, *, required: bool) -> Identity | None:
             f"({type(e).__name__}: {e}; it holds {raw[:60]!r}). Remove that file to give the "
             "directory a new identity: retention then leaves the checkpoints already there "
             "alone, since it can no longer prove this directory wrote them.") from None
+    enc = doc.get("encryption")
+    if enc is not None and not (isinstance(enc, dict) and isinstance(enc.get("key_id"), str)):
+        raise CheckpointError(
+            f"{storage.location}/.pitstop/{IDENTITY} records a malformed encryption section "
+            f"({str(enc)[:60]!r}); write back the key id its checkpoints have "
+            "(pitstop inspect shows it)")
     if "naming" not in doc:
-        return Identity(ident, DEFAULT)  # written before namings were recorded
+        return Identity(ident, DEFAULT, enc)  # written before namings were recorded
     try:
-        return Identity(ident, Naming.from_json(doc["naming"]))
+        return Identity(ident, Naming.from_json(doc["naming"]), enc)
     except InvalidArgumentError as e:
         if not required:
             log.warning("pitstop: %s/.pitstop/%s records no valid naming (%s); reading without "
@@ -88,13 +96,47 @@ def read_identity(storage: Storage, *, required: bool) -> Identity | None:
             "which entries are its checkpoints.") from None
 
 
-def create_identity(storage: Storage, naming: Naming = DEFAULT) -> str:
-    """Give the directory a new id, recording how its checkpoints are named; returns the id."""
-    ident = uuid.uuid4().hex
-    storage.write_meta(IDENTITY, json.dumps(
-        {"directory_id": ident, "created_unix": time.time(),
-         "naming": naming.to_json()}).encode())
+def create_identity(storage: Storage, naming: Naming = DEFAULT, encryption: Any = None,
+                    ident: str | None = None) -> str:
+    """Give the directory a new id (or record ``ident`` again), recording how its checkpoints
+    are named and, with ``encryption``, that they are encrypted and the key's id; returns the
+    id."""
+    ident = ident or uuid.uuid4().hex
+    doc: dict[str, Any] = {"directory_id": ident, "created_unix": time.time(),
+                           "naming": naming.to_json()}
+    if encryption is not None:
+        doc["encryption"] = {"algorithm": "aes-256-gcm", "key_id": encryption.key_id}
+    storage.write_meta(IDENTITY, json.dumps(doc).encode())
     return ident
+
+
+def check_encryption(location: str, identity: Identity | None, encryption: Any,
+                     has_checkpoints: bool, writing: bool = True) -> bool:
+    """Whether a manager with ``encryption`` (or None) may use this directory; True when its
+    identity must now record encryption (a plaintext directory without checkpoints). A
+    writer never mixes plaintext and encrypted checkpoints, nor two keys, in one directory."""
+    from .errors import EncryptionKeyError
+    recorded = identity.encryption if identity is not None else None
+    if recorded is not None and encryption is None:
+        raise EncryptionKeyError(
+            f"checkpoint directory {location} is encrypted (key id {recorded['key_id'][:32]}); "
+            "set PITSTOP_ENCRYPTION_KEY to its key and pass "
+            "encryption=pitstop.Encryption()" + (
+                ", or use another directory. pitstop never writes plaintext checkpoints "
+                "into an encrypted directory" if writing else " to read it"))
+    if recorded is not None and recorded["key_id"] != encryption.key_id:
+        raise EncryptionKeyError(
+            f"checkpoint directory {location} is encrypted with key id "
+            f"{recorded['key_id'][:32]}, the key given has id {encryption.key_id}: not its key. "
+            "Give the directory's key (key rotation: see docs/encryption.md)")
+    if recorded is None and encryption is not None and identity is not None:
+        if has_checkpoints:
+            raise EncryptionKeyError(
+                f"checkpoint directory {location} holds unencrypted checkpoints; pitstop does "
+                "not mix them with encrypted ones. Use a new directory for encrypted "
+                "checkpoints (docs/encryption.md says how to re-encrypt old ones)")
+        return True
+    return False
 
 
 def resolve_naming(location: str, recorded: Naming | None, step_prefix: str | None,
@@ -120,8 +162,10 @@ class Catalog:
 
     def __init__(self, storage: Storage, directory_id: str, retention: list[RetentionPolicy],
                  *, read_only: bool, naming: Naming = DEFAULT,
-                 on_save: Callable[[Any], None] | None = None) -> None:
+                 on_save: Callable[[Any], None] | None = None, encryption: Any = None) -> None:
         self.storage = storage
+        #: the key of an encrypted directory's manifests
+        self.encryption = encryption
         self.naming = naming
         self.directory_id = directory_id
         self.retention = retention
@@ -176,8 +220,8 @@ class Catalog:
                 index[s] = known[s]
                 continue
             try:
-                m = CheckpointReader(self.storage, self.naming.name(s),
-                                     naming=self.naming).manifest
+                m = CheckpointReader(self.storage, self.naming.name(s), naming=self.naming,
+                                     encryption=self.encryption).manifest
             except CheckpointError as e:
                 log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
                 index[s] = CheckpointInfo(s, {}, ours=False)
@@ -248,8 +292,8 @@ class Catalog:
         """True when the checkpoint's own manifest names this directory's id (checked right
         before retention deletes it: pitstop never deletes what it did not write)."""
         try:
-            m = CheckpointReader(self.storage, self.naming.name(step),
-                                 naming=self.naming).manifest
+            m = CheckpointReader(self.storage, self.naming.name(step), naming=self.naming,
+                                 encryption=self.encryption).manifest
         except (CheckpointError, OSError):
             return False
         return bool(self.directory_id) and m.directory_id == self.directory_id

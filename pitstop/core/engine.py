@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -241,8 +242,11 @@ class Engine:
                  writer_threads: int, pool: StagingPool, directory_id: str,
                  on_commit: Callable[[Manifest, str, SaveStats], None],
                  tier: Any = None, name_of: Callable[[int], str],
-                 copy_threads: int | None = None, coordinator: Coordinator | None = None) -> None:
+                 copy_threads: int | None = None, coordinator: Coordinator | None = None,
+                 encryption: Any = None) -> None:
         self.storage = storage
+        #: a :class:`~pitstop.core.crypto.Encryption`: every data file and manifest encrypted
+        self.encryption = encryption
         #: the ranks this engine saves with (None: one process)
         self.coordinator = coordinator
         self.hash_algorithm = hash_algorithm
@@ -534,10 +538,14 @@ class Engine:
         txn = self.storage.begin(name)
         try:
             t_write = time.perf_counter()
+            record, cipher = self.encryption.new_save(self.directory_id, job.step) \
+                if self.encryption is not None else (None, None)
             results = self._map_all(
-                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes), enumerate(groups))
+                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes, cipher=cipher),
+                enumerate(groups))
             t_written = time.perf_counter()
             manifest = self._manifest(job, job.structure, job.values)
+            manifest.encryption = record
             for fname, length, entries in results:
                 if fname is not None:
                     manifest.files[fname] = length
@@ -551,7 +559,7 @@ class Engine:
             verify = getattr(self.storage, "verify_held", None)
             if verify is not None:
                 verify()  # the directory is still the one this writer locked
-            txn.commit(manifest.to_bytes())
+            txn.commit(manifest.to_bytes(self.encryption))
         except BaseException:
             txn.abort()
             raise
@@ -606,8 +614,11 @@ class Engine:
         # 1. what each rank holds; everyone plans the same writes from the answers
         held = [[k, n, hashes.get(k, "")] for k, n in zip(layout.keys, layout.nbytes,
                                                              strict=True)]
+        enc = self.encryption
         answers = exchange({"step": job.step, "finite": finite, "held": held,
                             "token": getattr(txn, "token", None),
+                            "key_id": None if enc is None else enc.key_id,
+                            "save_id": None if enc is None else secrets.token_hex(16),
                             "error": None if failure is None else _why(failure)},
                            "exchanging what each rank holds")
         steps = sorted({a["step"] for a in answers})
@@ -619,6 +630,16 @@ class Engine:
                 f"{where}: the ranks saved different steps ({said}); every rank must call "
                 "save() / step() with the same step, in the same order")
         fail_if(answers, "before writing")
+        keys = [a.get("key_id") for a in answers]
+        if len(set(keys)) > 1:
+            if txn is not None:
+                txn.abort()
+            raise CheckpointWriteError(
+                f"{where}: the ranks encrypt with different keys (key ids {keys}; None: no "
+                "encryption); give every rank the same key (the same environment variable). "
+                "The step is not committed", step=job.step, path=self.storage.path_of(name))
+        record, cipher = enc.new_save(self.directory_id, job.step, answers[0]["save_id"]) \
+            if enc is not None else (None, None)
         if not all(a["finite"] for a in answers):
             if txn is not None:
                 txn.abort()
@@ -635,7 +656,8 @@ class Engine:
                 txn = self.storage.join(name, answers[0]["token"])
             groups = [[i for i in g if layout.keys[i] in mine] for g in layout.groups()]
             results = self._map_all(lambda ig: self._write_group(
-                txn, buf, ig[0], ig[1], hashes, prefix=f"r{coord.rank:05d}-"), enumerate(groups))
+                txn, buf, ig[0], ig[1], hashes, prefix=f"r{coord.rank:05d}-", cipher=cipher),
+                enumerate(groups))
         except BaseException as e:  # noqa: BLE001
             failure = e
         t_written = time.perf_counter()
@@ -651,8 +673,9 @@ class Engine:
         if coord.leader:
             try:
                 manifest = self._world_manifest(job, name, answers, answers_b, writer)
-                data = manifest.to_bytes()
-                parse(data, where)  # every entry checked (shards cover) before the commit
+                manifest.encryption = record
+                data = manifest.to_bytes(enc)
+                parse(data, where, enc)  # every entry checked (shards cover) before the commit
                 hook = self.hooks.get("before_commit")
                 if hook is not None:
                     hook(job.step)
@@ -816,7 +839,8 @@ class Engine:
             raw = buf.buf[off:off + n]
             # the raw bytes' hash: the manifest's when uncompressed (compressed payloads are
             # hashed while writing), and always the memory tier's seal
-            if raw_hashes or self.compression in (None, "none") or self.tier is not None:
+            if raw_hashes or self.tier is not None or (
+                    self.compression in (None, "none") and self.encryption is None):
                 out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
             # the non-finite guard holds with or without compression
             if check_finite and finite:
@@ -837,19 +861,20 @@ class Engine:
                             "saves go on, but a crash before a commit may lose that save", e)
 
     def _write_group(self, txn: Any, buf: StagingBuffer, index: int, group: list[int],
-                     hashes: dict[str, str], prefix: str = ""
+                     hashes: dict[str, str], prefix: str = "", cipher: Any = None
                      ) -> tuple[str | None, int, dict[str, ArrayEntry]]:
         """Write the arrays ``group`` (indices into the layout, ascending) as one data file;
         a multi-rank save passes the part of a group this rank writes (``prefix``: its
-        rank, so the ranks' file names never collide)."""
+        rank, so the ranks' file names never collide). ``cipher``: encrypt each array's
+        (compressed) bytes segment by segment (see :mod:`pitstop.core.crypto`)."""
         if not group:
             return None, 0, {}
         layout = buf.layout
         fname = f"data-{prefix}{index:03d}.bin"
         entries: dict[str, ArrayEntry] = {}
-        raw = self.compression in (None, "none")
+        raw = self.compression in (None, "none") and cipher is None
         runs = _runs(group)
-        w = txn.open_write(fname, direct=raw and len(runs) == 1)
+        w = txn.open_write(fname, direct=(raw and len(runs) == 1) or cipher is not None)
         try:
             if raw:
                 # each run of consecutive arrays is one contiguous, page-aligned region of
@@ -873,6 +898,28 @@ class Engine:
                             length=layout.nbytes[i], hash=hashes[k])
                     pos += end - start
                 length = pos
+            elif cipher is not None:
+                # compressed first (when on), then encrypted segment by segment into one
+                # page-aligned buffer, written in whole pages (O_DIRECT where allowed)
+                from .crypto import OVERHEAD, Sink, codec_of
+                # the largest segment of these arrays (compressed ones may grow a little)
+                most = cipher.segment if self.compression not in (None, "none") else \
+                    min(cipher.segment, max(layout.nbytes[i] for i in group))
+                sink = Sink(w, most + OVERHEAD)
+                pos = 0
+                for i in group:
+                    k = layout.keys[i]
+                    off, n = layout.offsets[i], layout.nbytes[i]
+                    base = codecs.codec_name(self.compression, layout.dtypes[i].itemsize)
+                    payload = codecs.encode(base, buf.buf[off:off + n])
+                    h = new_hasher(self.hash_algorithm)
+                    size = cipher.encrypt(payload, fname, pos, sink.reserve, h)
+                    entries[k] = ArrayEntry(
+                        dtype=encode_dtype(layout.dtypes[i]), shape=list(layout.shapes[i]),
+                        file=fname, offset=pos, length=size, hash=str(h.hexdigest()),
+                        codec=codec_of(base))
+                    pos += size
+                length = pos + sink.close()
             else:
                 pos = 0
                 for i in group:

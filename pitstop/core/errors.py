@@ -67,3 +67,8 @@ class CheckpointWriteError(CheckpointError):
 
 class UnsupportedStateError(CheckpointError):
     """A state leaf pitstop cannot save without pickle (an object array, an unknown object)."""
+
+
+class EncryptionKeyError(CheckpointError):
+    """An encrypted checkpoint or directory was opened without its key, or with another key.
+    Nothing was read or written; the checkpoint is intact (never moved aside as corrupt)."""

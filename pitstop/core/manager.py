@@ -43,8 +43,10 @@ from .arguments import (
     step_arg,
     wrap_os,
 )
-from .catalog import Catalog, create_identity, read_identity, resolve_naming
+from .arguments import check_encryption as check_encryption_arg
+from .catalog import Catalog, check_encryption, create_identity, read_identity, resolve_naming
 from .coordination import CoordinationError, Coordinator
+from .crypto import ENV, Encryption
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
 from .errors import (
     CheckpointError,
@@ -144,6 +146,7 @@ class CheckpointManager:
         distributed: Any = "auto",
         storage_options: Mapping[str, Any] | None = None,
         permissions: int | None = 0o700,
+        encryption: Any = None,
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -153,6 +156,9 @@ class CheckpointManager:
         check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         check_callables(save_policy, retention, on_save)
+        check_encryption_arg(encryption)
+        #: encryption at rest (:class:`pitstop.Encryption`); None: plaintext checkpoints
+        self.encryption = encryption
         check_naming(step_prefix, step_digits)
         check_permissions(permissions)
         check_signals(save_on_signals)  # all of them, before anything is installed or written
@@ -201,8 +207,13 @@ class CheckpointManager:
             #: how this directory names its checkpoints (recorded in .pitstop/directory.json)
             self.naming: Naming = resolve_naming(
                 self.directory, identity.naming if identity else None, step_prefix, step_digits)
+            if encryption is None and identity is not None and identity.encryption and \
+                    os.environ.get(ENV):
+                # reading only (the export helpers, the CLI): the key from its variable
+                encryption = self.encryption = Encryption()
+            check_encryption(self.directory, identity, encryption, False, writing=False)
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
-                                    read_only=True, naming=self.naming)
+                                    read_only=True, naming=self.naming, encryption=encryption)
             wrap_os(self._catalog.reconcile, self.directory, write=False)
             self._policy: SavePolicy | None = None
             self._signals = SignalSaver(None)
@@ -249,9 +260,15 @@ class CheckpointManager:
                         "managers for different directories, or in a different order")
                 else:
                     problem = None
+                if problem is None:
+                    try:
+                        check_encryption(self.directory, mine, encryption, False)
+                    except CheckpointError as e:
+                        problem = str(e)
                 self._joined(problem)
                 self._catalog = Catalog(self.storage, self.directory_id, retention_list,
-                                        read_only=True, naming=self.naming, on_save=on_save)
+                                        read_only=True, naming=self.naming, on_save=on_save,
+                                        encryption=encryption)
                 wrap_os(self._catalog.reconcile, self.directory, write=False)
             else:
                 try:
@@ -260,7 +277,8 @@ class CheckpointManager:
                         self.directory, identity.naming if identity else None, step_prefix,
                         step_digits)
                     self.directory_id = identity.directory_id if identity else \
-                        wrap_os(create_identity, self.directory, self.storage, self.naming)
+                        wrap_os(create_identity, self.directory, self.storage, self.naming,
+                                encryption)
                     removed = wrap_os(self.storage.cleanup_incomplete, self.directory,
                                       self.naming)
                     if removed:
@@ -268,7 +286,12 @@ class CheckpointManager:
                                     "%s: %s", len(removed), self.directory, ", ".join(removed))
                     self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                             read_only=False, naming=self.naming,
-                                            on_save=on_save)
+                                            on_save=on_save, encryption=encryption)
+                    if check_encryption(self.directory, identity, encryption,
+                                        bool(self._catalog.committed_steps())):
+                        # a plaintext directory without checkpoints: encrypted from now on
+                        wrap_os(create_identity, self.directory, self.storage, self.naming,
+                                encryption, self.directory_id)
                     wrap_os(self._catalog.reconcile, self.directory, write=True)
                 except BaseException as e:
                     self._announce(error=e)
@@ -294,7 +317,8 @@ class CheckpointManager:
                 self.storage, hash_algorithm=hash_algorithm, compression=compression,
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
                 directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
-                name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord)
+                name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
+                encryption=encryption)
             self.hooks = self._engine.hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
 
@@ -540,7 +564,7 @@ class CheckpointManager:
             try:
                 with self.storage.read_lease(self.naming.name(s)), _no_gc():
                     reader = CheckpointReader(self.storage, self.naming.name(s),
-                                              naming=self.naming)
+                                              naming=self.naming, encryption=self.encryption)
                     self._use_rank(reader)
                     return reader.load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
@@ -628,7 +652,8 @@ class CheckpointManager:
             self._engine.drain()
         if step not in self._committed(hidden=True):
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
-        return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming).manifest
+        return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming,
+                                encryption=self.encryption).manifest
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save to commit; raises a background failure not yet
@@ -1023,7 +1048,8 @@ class CheckpointManager:
         name = self.naming.name(step)
         try:
             with self.storage.read_lease(name):
-                reader = CheckpointReader(self.storage, name, naming=self.naming)
+                reader = CheckpointReader(self.storage, name, naming=self.naming,
+                                          encryption=self.encryption)
                 self._use_rank(reader)
                 return reader.restore_into(flat, strict, checked)
         except OSError as e:

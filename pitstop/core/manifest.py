@@ -27,16 +27,22 @@ SHARDED_VERSION = "2.0"
 #: a checkpoint written by several ranks (a ``world`` section): the top level is rank 0's
 #: whole view, so a 2.0 reader still reads it as one process would (rank 0's state)
 WORLD_VERSION = "2.1"
-MAJOR = 2
+#: an encrypted checkpoint (an ``encryption`` section, ``manifest_mac`` in place of
+#: ``manifest_hash``): a new major, so that a 2.x reader says "upgrade pitstop" instead of
+#: calling it corrupt and moving it aside (plaintext checkpoints keep their 1.1 / 2.x versions)
+ENCRYPTED_VERSION = "3.0"
+MAJOR = 3
 #: separates a key path from a shard's index in the engine's piece keys; ``~`` is always
 #: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
 SHARD_MARK = "~s"
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
-_CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2})$")
+_CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2}|aes-256-gcm|"
+                    r"zstd(\+shuffle[1-9][0-9]{0,2})?\+aes-256-gcm)$")
 
 #: major version -> function upgrading a manifest dict of that major to the next one.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     1: lambda doc: doc,  # 2.0 only added sharded array entries: a 1.x manifest is a 2.0 one
+    2: lambda doc: doc,  # 3.0 only added encryption: a 2.x manifest is a plaintext 3.0 one
 }
 
 
@@ -132,8 +138,12 @@ class Manifest:
     #: ranks 1.. of a multi-rank checkpoint: how each one's view differs from the top level
     #: (rank 0's): :class:`RankView` (empty for one process)
     ranks: list[RankView] = field(default_factory=list)
+    #: the ``encryption`` section of an encrypted checkpoint (no key material); None: plaintext
+    encryption: dict[str, Any] | None = None
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, sealer: Any = None) -> bytes:
+        """The manifest's bytes, sealed: with a plain hash, or (encrypted, ``sealer``: the
+        :class:`~pitstop.core.crypto.Encryption`) with an HMAC under the key."""
         sharded = any(e.shards is not None for e in self.arrays.values())
         version = WORLD_VERSION if self.world > 1 else \
             SHARDED_VERSION if sharded else FORMAT_VERSION
@@ -156,6 +166,13 @@ class Manifest:
         }
         if self.world > 1:
             doc["world"] = {"size": self.world, "ranks": [{}] + [r.to_json() for r in self.ranks]}
+        if self.encryption is not None:
+            doc["format_version"] = ENCRYPTED_VERSION
+            doc["encryption"] = self.encryption
+            if sealer is None:
+                raise ValueError("an encrypted manifest is sealed with its key: pass the sealer")
+            return bytes(sealer.seal(json.dumps(doc, separators=(",", ":"),
+                                                allow_nan=False).encode()))
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         return seal(body, self.hash_algorithm)
 
@@ -191,7 +208,7 @@ class Manifest:
             files=self.files, hash_algorithm=self.hash_algorithm, metrics=self.metrics,
             directory_id=self.directory_id, created_unix=self.created_unix,
             all_finite=self.all_finite, writer=self.writer, user_metadata=self.user_metadata,
-            format_version=self.format_version, world=self.world)
+            format_version=self.format_version, world=self.world, encryption=self.encryption)
 
     def rank_specific(self) -> list[str]:
         """Keys whose saved value differs between ranks (per-rank state: RNG streams, a
@@ -266,8 +283,9 @@ def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
             checkpoint=where, file="manifest.json")
 
 
-def parse(data: bytes, where: str) -> Manifest:
-    """Parse and validate manifest bytes; ``where`` names the checkpoint in errors."""
+def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
+    """Parse and validate manifest bytes; ``where`` names the checkpoint in errors. An
+    encrypted one needs ``encryption`` (its key) to check its HMAC seal."""
     try:
         doc = json.loads(data)
     except RecursionError:
@@ -278,7 +296,11 @@ def parse(data: bytes, where: str) -> Manifest:
                                      checkpoint=where) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where}: not a pitstop manifest", checkpoint=where)
-    if str(doc.get("format_version", "")).startswith(("1.", "2.")):
+    encrypted = "encryption" in doc or "manifest_mac" in doc
+    if encrypted:
+        from .crypto import check_sealed
+        check_sealed(data, doc, where, encryption)
+    elif str(doc.get("format_version", "")).startswith(("1.", "2.", "3.")):
         check_seal(data, doc, where)
     version = doc.get("format_version")
     try:
@@ -297,10 +319,23 @@ def parse(data: bytes, where: str) -> Manifest:
         doc = MIGRATIONS[major](doc)
         major += 1
     try:
-        return _validate(doc, where)
+        manifest = _validate(doc, where)
+        if encrypted:
+            manifest.encryption = doc["encryption"]
+        _check_encrypted(manifest)
+        return manifest
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})",
                                      checkpoint=where) from None
+
+
+def _check_encrypted(m: Manifest) -> None:
+    """Every stored array is encrypted exactly when the manifest says it is."""
+    from .crypto import split
+    for key, e in m.stored():
+        if split(e.codec)[1] != (m.encryption is not None):
+            raise ValueError(f"array {key!r}: codec {e.codec!r} in "
+                             f"{'an encrypted' if m.encryption else 'a plaintext'} manifest")
 
 
 def _shape(shape: Any, key: str) -> list[int]:

@@ -42,10 +42,15 @@ class ReadableStorage(Protocol):
 
 class CheckpointReader:
     """One committed checkpoint ``name`` in ``storage``, a directory whose checkpoints are
-    named by ``naming`` (its manifest must be of the step the name holds)."""
+    named by ``naming`` (its manifest must be of the step the name holds).
+
+    ``encryption``: the key of an encrypted checkpoint (:class:`~pitstop.Encryption`); given,
+    a plaintext checkpoint is refused as corrupt (it is not authenticated: an encrypted
+    directory never holds one), unless ``plaintext_ok`` (the CLI reads both kinds)."""
 
     def __init__(self, storage: ReadableStorage, name: str, *,
-                 threads: int | None = None, naming: Naming = DEFAULT) -> None:
+                 threads: int | None = None, naming: Naming = DEFAULT,
+                 encryption: Any = None, plaintext_ok: bool = False) -> None:
         self.storage = storage
         self.name = name
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
@@ -58,7 +63,18 @@ class CheckpointReader:
                                          checkpoint=self.where) from None
         except OSError as e:
             raise _os_error(self.where, MANIFEST, e) from None
-        self.manifest: Manifest = parse(data, self.where)
+        self.manifest: Manifest = parse(data, self.where, encryption)
+        #: decrypts the arrays of an encrypted checkpoint
+        self._cipher: Any = None
+        if self.manifest.encryption is not None:
+            self._cipher = encryption.cipher(self.manifest.encryption,
+                                             self.manifest.directory_id, self.manifest.step)
+        elif encryption is not None and not plaintext_ok:
+            raise CorruptCheckpointError(
+                f"{self.where}: not encrypted, but this manager encrypts (key id "
+                f"{encryption.key_id}): an unencrypted checkpoint is not authenticated, so it "
+                "is not trusted here (copied in or replaced). Read it without encryption= if "
+                "you know where it came from", checkpoint=self.where, file=MANIFEST)
         named = naming.parse(name)
         if named is not None and named != self.manifest.step:
             # a checkpoint renamed or copied in under another step: never restore it as that
@@ -112,6 +128,9 @@ class CheckpointReader:
             return out
         raw = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
         h = new_hasher(self.manifest.hash_algorithm)
+        if self._cipher is not None:
+            self._read_encrypted(key, entry, raw, h)
+            return out
         if entry.codec == "none":
             for pos in range(0, entry.length, READ_CHUNK):
                 chunk = raw[pos:pos + READ_CHUNK]
@@ -135,6 +154,35 @@ class CheckpointReader:
             raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, found "
                                 f"{h.hexdigest()} (the bytes on disk changed)")
         return out
+
+    def _read_encrypted(self, key: str, entry: ArrayEntry, raw: np.ndarray, h: Any) -> None:
+        """Decrypt one stored array segment by segment (straight into ``raw`` when it is not
+        compressed), then check the stored bytes' hash (see :mod:`.crypto`)."""
+        from .crypto import split
+        base, _enc = split(entry.codec)
+        cipher = self._cipher
+        plain = cipher.plain_length(entry.length)
+        if plain is None or (base == "none" and plain != raw.size):
+            raise self._corrupt(key, entry, f"{entry.length} stored bytes are not the "
+                                "encrypted segments of its shape and dtype")
+        target = raw if base == "none" else np.empty(plain, np.uint8)
+
+        def read(pos: int, buf: np.ndarray) -> None:
+            if self._read(entry, pos, buf) != buf.size:
+                raise self._corrupt(key, entry, "the data file ends early (truncated)")
+
+        try:
+            cipher.decrypt(entry.file, entry.offset, entry.length, read, target, h)
+        except ValueError as e:
+            raise self._corrupt(key, entry, str(e)) from None
+        if h.hexdigest() != entry.hash:
+            raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, found "
+                                f"{h.hexdigest()} (the bytes on disk changed)")
+        if base != "none":
+            try:
+                codecs.decode_into(base, target.data, raw)
+            except Exception as e:  # noqa: BLE001
+                raise self._corrupt(key, entry, f"cannot decode: {e}") from None
 
     def _read(self, entry: ArrayEntry, offset: int, out: np.ndarray) -> int:
         src = self._sources.get(entry.file)
