@@ -292,6 +292,7 @@ class CheckpointManager:
                 directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord)
             self.hooks = self._engine.hooks
+            self._catalog.hooks = self.hooks  # one dict: the engine's and retention's hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
 
             # when to save
