@@ -43,6 +43,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -428,10 +429,10 @@ class Trial:
             for s in steps:
                 target = blank()
                 got = self.call(f"restore(step={s}) read-only", s,
-                                lambda s=s, t=target: ro.restore(t, step=s))
+                                partial(ro.restore, target, step=s))
                 if got is not None:
                     self.got(f"restore(step={s}) read-only", target, int(got), s)
-                got = self.call(f"load(step={s})", s, lambda s=s: ro.load(step=s))
+                got = self.call(f"load(step={s})", s, partial(ro.load, step=s))
                 if got is not None:
                     self.got(f"load(step={s})", got, s, s)
             got = self.call("load() read-only", None, ro.load)
@@ -476,7 +477,7 @@ class Trial:
                                 f"naming {[name(s) for s in quiet_ones]}")
         for s in steps:
             target = blank()
-            got = self.call(f"restore(step={s})", s, lambda s=s, t=target: w.restore(t, step=s))
+            got = self.call(f"restore(step={s})", s, partial(w.restore, target, step=s))
             if got is not None:
                 self.got(f"restore(step={s})", target, int(got), s)
         self.call("close", None, w.close)

@@ -51,7 +51,7 @@ ELEMS = 4 << 20  # 4 arrays x 16 MiB of uint32 = 64 MiB per checkpoint
 KEEP = 2
 FULL_TRIALS = 200
 #: the phases a kill is aimed at, in turn
-PHASES = ("restore", "snapshot", "retention", "hash", "commit", "write")
+PHASES = ("restore", "snapshot", "retention", "hash", "restore", "commit", "write")
 #: how far into a phase a delayed self-kill may land (seconds)
 SPREAD = {"snapshot": 0.03, "hash": 0.05, "write": 0.1, "commit": 0.01, "retention": 0.005,
           "delete": 0.005}
@@ -100,7 +100,8 @@ def plan_for(run: RunDir, rng: random.Random) -> list[Any] | None:
     else:
         run.aimed += 1
     if phase == "restore":
-        return ["restore", 1, rng.uniform(0.1, 0.9) * run.restore_s]
+        # early in the last restart's time: opening (cleanup, memory-tier recovery) or reading
+        return ["restore", 1, rng.uniform(0.05, 0.6) * run.restore_s]
     # the first round kills at the start of each phase (so a short run covers them all),
     # later ones at the start or a few milliseconds into it
     at_start = run.aimed <= len(PHASES) or rng.random() < 0.5
@@ -135,11 +136,11 @@ def landed(lines: list[str]) -> list[str]:
         elif tag == "C":
             active.pop("retention", None)
     out = []
-    for phase, sub in sorted(active.items()):
+    for phase, sub in active.items():
         out.append(sub if phase == "persist" else phase)
         if sub == "delete":
             out.append("retention_deleting")
-    return out
+    return sorted(out)
 
 
 def run_trials(trials: int, seed: int, workdir: Path, *, elems: int = ELEMS,
@@ -266,12 +267,12 @@ def full_check(run: RunDir, elems: int, res: Result, where: str) -> None:
         if stale:
             res.fail(f"{where}: leftovers {sorted(stale)} still there after opening")
         target = blank(ARRAYS, elems)
-        restored = mgr.restore(target)
-        if restored is None:
+        got = mgr.restore(target)
+        if got is None:
             if floor is not None:
                 res.fail(f"{where}: restored nothing, but step {floor} was committed")
         else:
-            restored = int(restored)
+            restored = int(got)
             if floor is not None and restored < floor:
                 res.fail(f"{where}: restored step {restored}, but step {floor} was committed")
             why = mismatch(target, restored, ARRAYS, elems)

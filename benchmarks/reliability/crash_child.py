@@ -105,12 +105,12 @@ def main() -> None:
         say(f"L {name}")
     state = blank(arrays, elems)
     restored = mgr.restore(state)
+    say(f"E restore {-1 if restored is None else int(restored)} {time.monotonic() - t0:.4f}")
     if restored is None:
         say("R none")
     else:
         why = mismatch(state, int(restored), arrays, elems)
         say(f"R {int(restored)} ok" if why is None else f"R {int(restored)} WRONG {why}")
-    say(f"E restore {-1 if restored is None else int(restored)} {time.monotonic() - t0:.4f}")
 
     for phase in ("snapshot", "hash", "write", "commit"):
         mgr.hooks[{"snapshot": "before_snapshot", "hash": "before_persist",
