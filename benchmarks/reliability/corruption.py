@@ -386,6 +386,11 @@ class Trial:
         self.detected = True
         text = str(e)
         if step is None:
+            # opening, or reading "the latest": there is an undamaged checkpoint to fall
+            # back to, so refusing is a broken promise
+            if any(s not in self.dmg.touched for s in STEPS):
+                self.broken(f"{op} raised instead of falling back to an undamaged "
+                            f"checkpoint: {type(e).__name__}: {text[:300]}")
             return
         if step not in self.dmg.touched:
             self.broken(f"{op} refused step {step}, which was not damaged: {text[:300]}")
