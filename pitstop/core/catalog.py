@@ -173,6 +173,8 @@ class Catalog:
         self.on_save = on_save
         self.index: dict[int, CheckpointInfo] = {}
         self.lock = threading.RLock()
+        #: test hooks: "before_delete"(step), right before retention deletes a checkpoint
+        self.hooks: dict[str, Callable[..., Any]] = {}
         #: the index write or retention failed after a commit: retried at the next one
         self.dirty = False
 
@@ -277,6 +279,9 @@ class Catalog:
                 log.warning("pitstop: retention leaves %s alone: this manager did not "
                             "write it", self.storage.path_of(self.naming.name(s)))
                 continue
+            hook = self.hooks.get("before_delete")
+            if hook is not None:
+                hook(s)
             try:
                 if self.storage.delete_if_unread(self.naming.name(s)):
                     del self.index[s]

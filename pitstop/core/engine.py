@@ -257,6 +257,9 @@ class Engine:
         self.on_commit = on_commit
         self.tier = tier
         self.name_of = name_of
+        #: test hooks, each called with the step on the thread doing that part:
+        #: before_snapshot (buffer acquired, nothing copied), before_persist, before_write,
+        #: before_commit, after_commit (one-process saves); the catalog's before_delete
         self.hooks: dict[str, Callable[..., Any]] = {}
         self._last_sig: list[Any] | None = None
         self._last_layout: Layout | None = None
@@ -291,6 +294,9 @@ class Engine:
             return None
         key = None
         try:
+            hook = self.hooks.get("before_snapshot")
+            if hook is not None:
+                hook(step)
             if self.tier is not None and buf.shm_path is not None:
                 self.tier.invalidate(buf)
             fences = []
@@ -563,6 +569,9 @@ class Engine:
         except BaseException:
             txn.abort()
             raise
+        hook = self.hooks.get("after_commit")
+        if hook is not None:
+            hook(job.step)
         self._committed(job, txn.location, t0, t_hashed, t_write, t_written)
         return manifest
 

@@ -320,6 +320,7 @@ class CheckpointManager:
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
                 encryption=encryption)
             self.hooks = self._engine.hooks
+            self._catalog.hooks = self.hooks  # one dict: the engine's and retention's hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
 
             # when to save

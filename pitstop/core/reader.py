@@ -90,14 +90,25 @@ class CheckpointReader:
             try:
                 actual = self.storage.size(self.name, fname)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"{self.where}: data file {fname} is missing",
-                                             checkpoint=self.where, file=fname) from None
+                raise CorruptCheckpointError(
+                    f"{self.where}: data file {fname} is missing{self._held_in(fname)}",
+                    checkpoint=self.where, file=fname) from None
             except OSError as e:
                 raise _os_error(self.where, fname, e) from None
             if actual != length:
                 raise CorruptCheckpointError(
                     f"{self.where}: data file {fname} has {actual} bytes, the manifest recorded "
-                    f"{length} (truncated or overwritten)", checkpoint=self.where, file=fname)
+                    f"{length} (truncated or overwritten){self._held_in(fname)}",
+                    checkpoint=self.where, file=fname)
+
+    def _held_in(self, fname: str) -> str:
+        """Which arrays a damaged data file holds, for its error: what the user lost."""
+        keys = [k for k, e in self.manifest.arrays.items() if any(p.file == fname
+                                                                   for p in e.parts)]
+        if not keys:
+            return ""
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        return f"; it holds array(s) {', '.join(repr(k) for k in keys[:5])}{more}"
 
     def verify(self) -> None:
         """Read every array and check its hash (``pitstop verify``): every rank's part of a
@@ -191,8 +202,9 @@ class CheckpointReader:
                 return src.read_into(offset, out)
             return self.storage.read_into(self.name, entry.file, offset, out)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self.where}: data file {entry.file} is missing",
-                                         checkpoint=self.where, file=entry.file) from None
+            raise CorruptCheckpointError(
+                f"{self.where}: data file {entry.file} is missing{self._held_in(entry.file)}",
+                checkpoint=self.where, file=entry.file) from None
         except OSError as e:
             raise _os_error(self.where, entry.file, e) from None
 
