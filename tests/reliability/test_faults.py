@@ -1,0 +1,63 @@
+"""Resource faults counted in trials (benchmarks/reliability/faults.py) at a reduced count,
+and the defects they found, kept as tests of their own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pitstop  # noqa: E402
+
+
+def _mount(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True).returncode == 0
+
+
+def test_a_tier_that_fills_up_warns_once_however_it_shows(tmp_path, caplog):
+    """A tier filled by another program fails the description of the next snapshot, then
+    cannot hold a larger one: one warning (with the fix) for both, and every save commits."""
+    mnt = tmp_path / "tier"
+    if not _mount(mnt, "1m"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        caplog.set_level(logging.WARNING, logger="pitstop")
+        small = {"w": np.arange(16 << 10, dtype=np.float32)}   # 64 KiB: the buffer fits
+        big = {"w": np.arange(64 << 10, dtype=np.float32)}     # 256 KiB: a new buffer
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pitstop.CheckpointManager(tmp_path / "run", memory_tier=str(mnt),
+                                           save_on_signals=None) as mgr:
+                assert mgr.save(1, small).result(timeout=60).committed
+                with open(mnt / "other-program", "wb", buffering=0) as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * 4096)
+                    except OSError:
+                        pass
+                assert mgr.save(2, small).result(timeout=60).committed  # no description
+                assert mgr.save(3, big).result(timeout=60).committed    # no buffer
+                target = {"w": np.zeros(64 << 10, np.float32)}
+                assert mgr.restore(target) == 3
+                np.testing.assert_array_equal(target["w"], big["w"])
+        logged = [r.getMessage() for r in caplog.records if "memory tier" in r.getMessage()]
+        assert len(logged) == 1, logged
+        assert "description" in logged[0] and "could not be written" in logged[0]
+        assert "--shm-size" in logged[0] and "memory_tier=False" in logged[0]
+        assert len([w for w in seen if "memory tier" in str(w.message)]) == 1
+        assert os.listdir(mnt) == ["other-program"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
