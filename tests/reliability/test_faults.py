@@ -61,3 +61,28 @@ def test_a_tier_that_fills_up_warns_once_however_it_shows(tmp_path, caplog):
         assert os.listdir(mnt) == ["other-program"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_an_index_write_on_a_full_disk_leaves_no_temporary(tmp_path):
+    """The index is written after a commit; on a full disk that write fails (a warning, the
+    save stays committed), and its temporary is removed at once, not at the next open."""
+    mnt = tmp_path / "disk"
+    if not _mount(mnt, "256k"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pitstop.CheckpointManager(mnt / "run", memory_tier=False, save_on_signals=None,
+                                       durable=False) as mgr:
+            mgr.save(0, {"w": np.zeros(8)}).result(timeout=60)
+            storage = mgr.storage
+            with open(mnt / "filler", "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 4096)
+                except OSError:
+                    pass
+            with pytest.raises(OSError):
+                storage.write_meta("index.json", b"x" * 65536, durable=False)
+            assert [e for e in os.listdir(mnt / "run" / ".pitstop") if ".tmp-" in e] == []
+            (mnt / "filler").unlink()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

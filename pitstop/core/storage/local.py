@@ -264,12 +264,18 @@ class LocalStorage(Storage):
     def write_meta(self, relpath: str, data: bytes, *, durable: bool = True) -> None:
         path = os.path.join(self.location, META_DIR, relpath)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.durable and durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.durable and durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            # a full disk: the temporary must not stay and take the space the next write needs
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if self.durable and durable:
             fsync_dir(os.path.dirname(path))
 
