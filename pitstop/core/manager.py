@@ -530,9 +530,8 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
         last: Exception | None = None
-        for s in [step] if step is not None else reversed(steps):
-            if step is None and s not in self._committed():
-                continue  # deleted meanwhile (another writer's retention): not corrupt
+        vanished: list[int] = []
+        for s in [step] if step is not None else self._newest_first(vanished):
             try:
                 with self.storage.read_lease(self.naming.name(s)), _no_gc():
                     reader = CheckpointReader(self.storage, self.naming.name(s),
@@ -542,6 +541,9 @@ class CheckpointManager:
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
                     raise
+                if s not in self._committed():
+                    vanished.append(s)  # deleted meanwhile (another writer's retention)
+                    continue
                 warnings.warn(f"pitstop: skipping unreadable checkpoint: {e}", stacklevel=2)
                 last = e
             except OSError as e:
@@ -864,15 +866,16 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
             return step, self._restore_one(step, flat, strict)
-        steps = self._committed()
         newer: UnsupportedFormatError | None = None
         corrupt: list[CorruptCheckpointError] = []
-        for s in reversed(steps):
+        vanished: list[int] = []
+        for s in self._newest_first(vanished):
             try:
                 report = self._restore_one(s, flat, strict)
             except CorruptCheckpointError as e:
                 if not e.overwritten and s not in self._committed():
-                    continue  # deleted meanwhile (another writer's retention): not corrupt
+                    vanished.append(s)  # deleted meanwhile (another writer's retention)
+                    continue
                 msg = (f"pitstop: checkpoint {self._path(s)} is corrupt "
                        f"({e}); falling back to the previous one")
                 log.error(msg)
@@ -928,6 +931,24 @@ class CheckpointManager:
             err.overwritten = sorted({k for c in corrupt for k in c.overwritten})
             raise err
         return None, None
+
+    def _newest_first(self, vanished: list[int]) -> Iterator[int]:
+        """Committed steps, newest first, for a restore or load of the newest. When the
+        caller finds the step it tried deleted meanwhile (``vanished`` grows: another
+        process's retention, after committing a newer one), the directory is listed again,
+        so a reader never concludes there is nothing (or only an older step) to read."""
+        tried: set[int] = set()
+        while True:
+            seen = len(vanished)
+            for s in reversed(self._committed()):
+                if s in tried:
+                    continue
+                tried.add(s)
+                yield s
+                if len(vanished) != seen:
+                    break  # list again: newer steps may have been committed
+            else:
+                return
 
     def _restore_world(self, flat: FlatState, step: int | None, strict: bool,
                        coord: Coordinator) -> tuple[int | None, RestoreReport | None]:
