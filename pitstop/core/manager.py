@@ -540,7 +540,10 @@ class CheckpointManager:
                     return reader.load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
-                    raise
+                    gone = self._gone(step, e)
+                    if gone is None:
+                        raise
+                    raise gone from e
                 if s not in self._committed():
                     vanished.append(s)  # deleted meanwhile (another writer's retention)
                     continue
@@ -626,7 +629,26 @@ class CheckpointManager:
             self._engine.drain()
         if step not in self._committed(hidden=True):
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
-        return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming).manifest
+        try:
+            return CheckpointReader(self.storage, self.naming.name(step),
+                                    naming=self.naming).manifest
+        except CorruptCheckpointError as e:
+            gone = self._gone(step, e)
+            if gone is None:
+                raise
+            raise gone from e
+
+    def _gone(self, step: int, e: CheckpointError) -> CheckpointNotFoundError | None:
+        """A checkpoint asked for by number that vanished before a byte of it was read
+        (another process's retention or ``delete()`` between the listing and the read): not
+        found, rather than "corrupt"; None when it is still there (or the target changed)."""
+        if not isinstance(e, CorruptCheckpointError) or e.overwritten or \
+                step in self._committed(hidden=True):
+            return None
+        return CheckpointNotFoundError(
+            f"the checkpoint of step {step} in {self.directory} was deleted while it was "
+            "being opened (by the writer's retention or delete(), in another process); "
+            f"have: {self._committed(hidden=True)[-10:]}")
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save to commit; raises a background failure not yet
@@ -865,7 +887,13 @@ class CheckpointManager:
             if step not in steps:
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
-            return step, self._restore_one(step, flat, strict)
+            try:
+                return step, self._restore_one(step, flat, strict)
+            except CorruptCheckpointError as e:
+                gone = self._gone(step, e)
+                if gone is None:
+                    raise
+                raise gone from e
         newer: UnsupportedFormatError | None = None
         corrupt: list[CorruptCheckpointError] = []
         vanished: list[int] = []

@@ -54,3 +54,25 @@ def test_a_reader_never_finds_nothing_when_retention_deletes_what_it_listed(tmp_
                 got = reader.load()
             np.testing.assert_array_equal(got["w"], np.ones(4))
         assert storage.then is None  # the writer did come between
+
+
+@pytest.mark.parametrize("call", ["restore", "load", "metadata"])
+def test_a_step_deleted_while_a_reader_opens_it_is_not_found_not_corrupt(tmp_path, call):
+    d = tmp_path / "run"
+    with pitstop.CheckpointManager(d, keep_last=1, memory_tier=False,
+                                   save_on_signals=None) as writer:
+        writer.save(0, {"w": np.zeros(4)}).result(timeout=60)
+        storage = _RetainAfterListing(d, create=False)
+        with pitstop.CheckpointManager(storage, read_only=True) as reader:
+            storage.then = lambda: writer.save(1, {"w": np.ones(4)}).result(timeout=60)
+            target = {"w": np.full(4, 7.0)}
+            with pytest.raises(pitstop.CheckpointNotFoundError, match="deleted while"):
+                if call == "restore":
+                    reader.restore(target, step=0)
+                elif call == "load":
+                    reader.load(0)
+                else:
+                    reader.metadata(0)
+            assert storage.then is None
+            np.testing.assert_array_equal(target["w"], np.full(4, 7.0))  # untouched
+            assert reader.all_steps() == [1]
