@@ -3,6 +3,7 @@ reduced count, and the defects they found, kept as deterministic tests of their 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import pitstop  # noqa: E402
+from benchmarks.reliability import concurrency  # noqa: E402
 from pitstop.core.storage.local import LocalStorage  # noqa: E402
 
 
@@ -76,3 +78,38 @@ def test_a_step_deleted_while_a_reader_opens_it_is_not_found_not_corrupt(tmp_pat
             assert storage.then is None
             np.testing.assert_array_equal(target["w"], np.full(4, 7.0))  # untouched
             assert reader.all_steps() == [1]
+
+
+# ------------------------------------------------------------------ the scenarios, reduced
+
+SEED = int(os.environ.get("PITSTOP_TORTURE_SEED", int.from_bytes(os.urandom(3), "little")))
+
+
+def _run(name: str, trials: int, tmp_path: Path):
+    res = concurrency.SCENARIOS[name](trials, SEED, tmp_path)
+    print(res.line(), f"(seed {SEED})")
+    assert res.failures == 0, (f"seed {SEED} (PITSTOP_TORTURE_SEED={SEED} repeats it):\n"
+                               + "\n".join(res.details))
+    assert res.trials == trials
+    return res
+
+
+def test_restore_during_retention_is_exact_or_clear(tmp_path):
+    res = _run("restore_during_retention", 3, tmp_path)
+    assert res.counts["exact_reads"] > 0 and res.counts["retention_deletions"] > 0
+
+
+def test_two_writers_one_refused_then_taking_over(tmp_path):
+    res = _run("two_writers", 3, tmp_path)
+    assert res.counts["refused_while_alive"] == 3 and res.counts["took_over"] == 3
+
+
+def test_a_reader_sees_only_committed_checkpoints_while_the_writer_saves(tmp_path):
+    res = _run("reader_while_writer_saves", 3, tmp_path)
+    assert res.counts["exact_reads"] > 0 and res.counts["retention_deletions"] > 0
+
+
+def test_restore_while_the_same_step_is_in_flight(tmp_path):
+    res = _run("restore_while_same_step_in_flight", 8, tmp_path)
+    assert res.counts["held_in_flight"] == 8
+    assert res.counts["read_only_not_found_in_flight"] == 8

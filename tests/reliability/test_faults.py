@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import pitstop  # noqa: E402
+from benchmarks.reliability import faults  # noqa: E402
 
 
 def _mount(path: Path, size: str) -> bool:
@@ -86,3 +87,57 @@ def test_an_index_write_on_a_full_disk_leaves_no_temporary(tmp_path):
             (mnt / "filler").unlink()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# ------------------------------------------------------------------ the scenarios, reduced
+
+SEED = int(os.environ.get("PITSTOP_TORTURE_SEED", int.from_bytes(os.urandom(3), "little")))
+
+
+def _run(name: str, trials: int, tmp_path: Path):
+    res = faults.SCENARIOS[name](trials, SEED, tmp_path)
+    print(res.line(), f"(seed {SEED})")
+    assert res.failures == 0, (f"seed {SEED} (PITSTOP_TORTURE_SEED={SEED} repeats it):\n"
+                               + "\n".join(res.details))
+    return res
+
+
+def test_full_disk_fails_clearly_and_keeps_what_is_committed(tmp_path):
+    res = _run("full_disk", 6, tmp_path)
+    assert res.trials == 6
+    assert res.counts["failed_saves"] >= 6  # every trial filled its disk
+    assert res.counts["commits_after_free"] == 6
+    assert res.counts.get("tmpfs_trials", 0) + res.counts.get("fsize_trials", 0) == 6
+
+
+def test_permission_denied_fails_clearly_and_saves_resume(tmp_path):
+    res = _run("permission_denied", 8, tmp_path)
+    if res.trials == 0:
+        pytest.skip("; ".join(res.details))
+    assert res.counts["commits_after_restore"] == res.trials
+    assert res.counts.get("failed_saves", 0) + res.counts.get(
+        "index_refused_saves_committed", 0) > 0
+
+
+def test_io_errors_at_the_storage_layer(tmp_path):
+    res = _run("io_error", 12, tmp_path)
+    assert res.trials == 12
+    met = sum(res.counts.get(k, 0) for k in ("failed_saves", "bookkeeping_faults_absorbed",
+                                              "read_errors_raised"))
+    assert met > 0 and met + res.counts.get("fault_not_reached", 0) >= 12
+
+
+def test_a_full_memory_tier_never_fails_a_save(tmp_path):
+    res = _run("full_shm", 5, tmp_path)
+    if res.trials == 0:
+        pytest.skip("; ".join(res.details))
+    assert res.counts["tier_stepped_aside"] > 0
+
+
+def test_full_disk_falls_back_to_a_file_size_limit(tmp_path):
+    """Where no tmpfs can be mounted the same promise runs under RLIMIT_FSIZE in a child."""
+    res = faults._fsize_fallback(faults.Result("full_disk"), 3, SEED, tmp_path)
+    print(res.line(), f"(seed {SEED})")
+    assert res.failures == 0, f"seed {SEED}:\n" + "\n".join(res.details)
+    assert res.counts["fsize_trials"] == 3 and res.counts["failed_saves"] >= 3
+    assert res.counts["commits_after_free"] == 3
