@@ -3,6 +3,7 @@ and the defects they found, kept as tests of their own."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -141,3 +142,27 @@ def test_full_disk_falls_back_to_a_file_size_limit(tmp_path):
     assert res.failures == 0, f"seed {SEED}:\n" + "\n".join(res.details)
     assert res.counts["fsize_trials"] == 3 and res.counts["failed_saves"] >= 3
     assert res.counts["commits_after_free"] == 3
+
+
+def test_an_io_error_in_the_middle_of_a_restore_says_what_it_overwrote(tmp_path):
+    """An EIO while the arrays stream in leaves the target partly restored: the error says
+    which entries and to restore again; nothing is moved aside; a retry is exact."""
+    storage = faults.FaultyStorage(str(tmp_path / "run"))
+    state = {"a": np.full(1000, 1.0), "b": np.full(1000, 2.0), "c": np.full(1000, 3.0)}
+    with pitstop.CheckpointManager(storage, memory_tier=False, save_on_signals=None,
+                                   writer_threads=1) as mgr:
+        mgr.save(1, state).result(timeout=60)
+        target = {k: np.zeros(1000) for k in state}
+        storage.arm("read", 3, errno.EIO)  # the manifest, a, then b fails
+        with pytest.raises(pitstop.CheckpointError) as info:
+            mgr.restore(target)
+        e = info.value
+        assert not isinstance(e, pitstop.CorruptCheckpointError)
+        assert e.overwritten == ["a", "b"]
+        assert "Input/output error" in str(e) and "overwritten 2 entries" in str(e)
+        assert "restore again" in str(e)
+        assert (target["a"] == 1).all() and (target["c"] == 0).all()
+        assert mgr.all_steps() == [1]
+        assert mgr.restore(target) == 1
+        for k in state:
+            np.testing.assert_array_equal(target[k], state[k])
