@@ -966,17 +966,25 @@ class CheckpointManager:
         process's retention, after committing a newer one), the directory is listed again,
         so a reader never concludes there is nothing (or only an older step) to read."""
         tried: set[int] = set()
+        again = 2
         while True:
             seen = len(vanished)
+            new = False
             for s in reversed(self._committed()):
                 if s in tried:
                     continue
+                new = True
                 tried.add(s)
                 yield s
                 if len(vanished) != seen:
                     break  # list again: newer steps may have been committed
             else:
-                return
+                if new or not again:
+                    return
+                # nothing (new) listed: a listing is not atomic (the entries, then each
+                # manifest), so one made while retention deleted the step it saw, after
+                # committing one it did not see yet, comes back short; the next one sees it
+                again -= 1
 
     def _restore_world(self, flat: FlatState, step: int | None, strict: bool,
                        coord: Coordinator) -> tuple[int | None, RestoreReport | None]:

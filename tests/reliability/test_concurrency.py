@@ -113,3 +113,37 @@ def test_restore_while_the_same_step_is_in_flight(tmp_path):
     res = _run("restore_while_same_step_in_flight", 8, tmp_path)
     assert res.counts["held_in_flight"] == 8
     assert res.counts["read_only_not_found_in_flight"] == 8
+
+
+class _RetainWhileListing(LocalStorage):
+    """A reader's storage whose next listing is torn as another process makes it torn:
+    the entries are read, then the writer commits a newer step and its retention deletes
+    the listed one, then each listed entry's manifest is checked (LocalStorage's listing)."""
+
+    then = None
+
+    def list_checkpoints(self):
+        entries = os.listdir(self.location)
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return [e for e in entries if not e.startswith(".")
+                and os.path.isfile(os.path.join(self.location, e, "manifest.json"))]
+
+
+@pytest.mark.parametrize("call", ["restore", "load"])
+def test_a_listing_torn_by_retention_never_reads_as_an_empty_directory(tmp_path, call):
+    d = tmp_path / "run"
+    with pitstop.CheckpointManager(d, keep_last=1, memory_tier=False,
+                                   save_on_signals=None) as writer:
+        writer.save(0, {"w": np.zeros(4)}).result(timeout=60)
+        storage = _RetainWhileListing(d, create=False)
+        with pitstop.CheckpointManager(storage, read_only=True) as reader:
+            storage.then = lambda: writer.save(1, {"w": np.ones(4)}).result(timeout=60)
+            target = {"w": np.full(4, 7.0)}
+            if call == "restore":
+                assert reader.restore(target) == 1  # not None: "nothing to resume"
+            else:
+                target = reader.load()
+            np.testing.assert_array_equal(target["w"], np.ones(4))
+            assert storage.then is None
