@@ -34,7 +34,6 @@ import json
 import os
 import random
 import signal
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -618,18 +617,21 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def main() -> None:
-    """``python -m benchmarks.reliability.concurrency [trials] [seed]``: every scenario at
-    ``trials`` (default: its FULL_TRIALS)."""
+    """``python -m benchmarks.reliability.concurrency [--trials N] [--seed S]``: every scenario,
+    at its FULL_TRIALS unless ``--trials`` says otherwise."""
+    import argparse
     import tempfile
-    trials = int(sys.argv[1]) if len(sys.argv) > 1 else None
-    seed = int(sys.argv[2]) if len(sys.argv) > 2 else int.from_bytes(os.urandom(3), "little")
-    for name, run in SCENARIOS.items():
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--trials", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(3), "little"))
+    ap.add_argument("scenarios", nargs="*", default=list(SCENARIOS))
+    args = ap.parse_args()
+    for name in args.scenarios:
         with tempfile.TemporaryDirectory() as tmp:
-            r = run(trials or FULL_TRIALS[name], seed, Path(tmp))
-        print(r.line(), f"(seed {seed})", flush=True)
+            r = SCENARIOS[name](args.trials or FULL_TRIALS[name], args.seed, Path(tmp))
+        print(r.line(), f"(seed {args.seed})", flush=True)
         for line in r.details:
-            print("   ", line)
-
+            print("   ", line, flush=True)
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -876,17 +875,20 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def main() -> None:
-    """``python -m benchmarks.reliability.faults [trials] [seed]``: every scenario at
-    ``trials`` (default: its FULL_TRIALS)."""
-    trials = int(sys.argv[1]) if len(sys.argv) > 1 else None
-    seed = int(sys.argv[2]) if len(sys.argv) > 2 else int.from_bytes(os.urandom(3), "little")
-    for name, run in SCENARIOS.items():
+    """``python -m benchmarks.reliability.faults [--trials N] [--seed S]``: every scenario,
+    at its FULL_TRIALS unless ``--trials`` says otherwise."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--trials", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(3), "little"))
+    ap.add_argument("scenarios", nargs="*", default=list(SCENARIOS))
+    args = ap.parse_args()
+    for name in args.scenarios:
         with tempfile.TemporaryDirectory() as tmp:
-            r = run(trials or FULL_TRIALS[name], seed, Path(tmp))
-        print(r.line(), f"(seed {seed})", flush=True)
-        for d in r.details:
-            print("   ", d)
-
+            r = SCENARIOS[name](args.trials or FULL_TRIALS[name], args.seed, Path(tmp))
+        print(r.line(), f"(seed {args.seed})", flush=True)
+        for line in r.details:
+            print("   ", line, flush=True)
 
 if __name__ == "__main__":
     main()
