@@ -147,3 +147,29 @@ def test_a_listing_torn_by_retention_never_reads_as_an_empty_directory(tmp_path,
                 target = reader.load()
             np.testing.assert_array_equal(target["w"], np.ones(4))
             assert storage.then is None
+
+
+class _RetainAfterReadingEntries(LocalStorage):
+    """Between reading the directory's entries and checking their manifests, the writer
+    commits a newer step and its retention deletes the listed one (another process)."""
+
+    then = None
+
+    def _entries(self):
+        entries = super()._entries()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return entries
+
+
+def test_a_listing_made_while_retention_deletes_is_never_short(tmp_path):
+    d = tmp_path / "run"
+    with pitstop.CheckpointManager(d, keep_last=1, memory_tier=False,
+                                   save_on_signals=None) as writer:
+        writer.save(0, {"w": np.zeros(4)}).result(timeout=60)
+        storage = _RetainAfterReadingEntries(d, create=False)
+        with pitstop.CheckpointManager(storage, read_only=True) as reader:
+            storage.then = lambda: writer.save(1, {"w": np.ones(4)}).result(timeout=60)
+            assert reader.all_steps() == [1]  # not []: step 0 gone, step 1 not yet seen
+            assert storage.then is None

@@ -281,12 +281,29 @@ class LocalStorage(Storage):
 
     # ------------------------------------------------------------------ reads
     def list_checkpoints(self) -> list[str]:
+        """Committed checkpoints: entries with a manifest. A listing during which an entry
+        disappeared (retention renamed it away, maybe after committing one this listing's
+        entries were read too early to hold) is made again, so it never comes back short
+        of both the old checkpoint and the new one."""
+        for _ in range(3):
+            out, torn = [], False
+            for e in self._entries():
+                if e.startswith("."):
+                    continue
+                path = os.path.join(self.location, e)
+                if os.path.isfile(os.path.join(path, MANIFEST)):
+                    out.append(e)
+                elif not os.path.lexists(path):
+                    torn = True
+            if not torn:
+                break
+        return out
+
+    def _entries(self) -> list[str]:
         try:
-            entries = os.listdir(self.location)
+            return os.listdir(self.location)
         except FileNotFoundError:
             return []
-        return [e for e in entries
-                if not e.startswith(".") and os.path.isfile(os.path.join(self.location, e, MANIFEST))]
 
     def _safe(self, name: str, relpath: str) -> str:
         base = os.path.realpath(os.path.join(self.location, name))
