@@ -42,9 +42,11 @@ def scenarios() -> dict[str, tuple[Any, int]]:
         if mod_name in OPTIONAL and not path.exists():
             continue
         mod = importlib.import_module(f"benchmarks.reliability.{mod_name}")
-        full = getattr(mod, "DEFAULT_TRIALS", {})
+        # per scenario: DEFAULT_TRIALS or FULL_TRIALS (a dict), or one count for the module
+        full = getattr(mod, "DEFAULT_TRIALS", None) or getattr(mod, "FULL_TRIALS", FULL)
         for name, fn in mod.SCENARIOS.items():
-            out[name] = (fn, int(full.get(name, getattr(mod, "FULL_TRIALS", FULL))))
+            count = full.get(name, FULL) if isinstance(full, dict) else full
+            out[name] = (fn, int(count))
     return out
 
 

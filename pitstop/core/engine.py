@@ -381,9 +381,7 @@ class Engine:
             try:
                 self.tier.describe(job.buffer, job)
             except OSError as e:  # the tier is an optimisation: the save goes on without it
-                log.warning("pitstop: could not describe step %d in the memory tier (%s); "
-                            "it is persisted as usual, but a crash before its commit loses "
-                            "it", job.step, e)
+                self._tier_trouble(e, f"description of step {job.step} could not be written")
         with self._lock:
             self._pending.append(job.handle)
         self._queue.put(job)
@@ -864,10 +862,19 @@ class Engine:
         try:
             fn(*args)
         except OSError as e:
-            if not self._tier_warned:
-                self._tier_warned = True
-                log.warning("pitstop: the memory tier's description could not be written (%s); "
-                            "saves go on, but a crash before a commit may lose that save", e)
+            self._tier_trouble(e, "description could not be written")
+
+    def _tier_trouble(self, e: OSError, what: str) -> None:
+        """One warning for a tier that steps aside, however it shows (the pool's fallback
+        says it when it has one: the same warning as a tier too small for a buffer)."""
+        fallback = self.pool.on_tier_failure
+        trouble = getattr(fallback, "trouble", None)
+        if trouble is not None:
+            trouble(e, what)
+        elif not self._tier_warned:
+            self._tier_warned = True
+            log.warning("pitstop: the memory tier %s (%s); saves go on, but a crash before a "
+                        "commit may lose that save", what, e)
 
     def _write_group(self, txn: Any, buf: StagingBuffer, index: int, group: list[int],
                      hashes: dict[str, str], prefix: str = "", cipher: Any = None

@@ -96,12 +96,46 @@ class Resources:
 
 
 class TierFallback:
-    """Warns once when the memory tier cannot hold a snapshot (the save then stages in
-    private memory): the tier's size, what the state needs, and how to fix it."""
+    """Warns once when the memory tier steps aside: when it cannot hold a snapshot (the save
+    then stages in private memory: the tier's size, what the state needs, and how to fix
+    it), or when it cannot describe one (:meth:`trouble`); one warning per manager, whichever
+    comes first, since both have one cause (a full or unwritable tier)."""
 
     def __init__(self, root: str | None) -> None:
         self.root = root
         self.warned = False
+
+    def trouble(self, error: OSError, what: str) -> None:
+        """The tier's bookkeeping failed (``what``: "description of step 3 could not be written"): saves go
+        on, but a crash before a commit may lose that save."""
+        if self.warned:
+            log.debug("pitstop: memory tier: %s (%s)", what, error)
+            return
+        self.warned = True
+        text = (f"pitstop: the memory tier {what} ({error}): saves go on, but a crash before "
+                f"a commit may lose that save. To keep the tier: {self._fix(error)}; to "
+                "silence this, memory_tier=False.")
+        log.warning("%s", text)
+        warnings.warn(text, stacklevel=2)
+
+    def _fix(self, error: OSError) -> str:
+        code = error.errno
+        if code == errno.EFBIG:
+            return ("a file-size limit stops the tier's file: raise it (`ulimit -f unlimited`, "
+                    "or the job's RLIMIT_FSIZE)")
+        if code in (errno.EMFILE, errno.ENFILE):
+            return "no file descriptor was left: raise the limit (`ulimit -n`)"
+        if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return (f"{self.root} is not writable here: give the job write access, or pass "
+                    "memory_tier='<a writable dir on a tmpfs>'")
+        if code == errno.EEXIST:
+            return ("a file pitstop did not make (another user's, or a symlink) is in the way: "
+                    "remove it, or pass memory_tier='<a directory of your own on a tmpfs>'")
+        if code == errno.ENOENT:
+            return f"{self.root} does not exist: create it, or pass another memory_tier"
+        return ("enlarge /dev/shm (`docker run --shm-size=<size>`; in Kubernetes mount an "
+                "emptyDir with `medium: Memory` and a sizeLimit at /dev/shm), or pass "
+                "memory_tier='<dir on a larger tmpfs>'")
 
     def __call__(self, error: OSError, nbytes: int) -> None:
         if self.warned:
@@ -114,24 +148,7 @@ class TierFallback:
             size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
         have = (f"{self.root} has {_mib(size)} ({_mib(free)} free)" if size is not None
                 else f"{self.root} cannot be inspected")
-        code = error.errno
-        if code == errno.EFBIG:
-            fix = ("a file-size limit stops the tier's file: raise it (`ulimit -f unlimited`, "
-                   "or the job's RLIMIT_FSIZE)")
-        elif code in (errno.EMFILE, errno.ENFILE):
-            fix = "no file descriptor was left: raise the limit (`ulimit -n`)"
-        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fix = (f"{self.root} is not writable here: give the job write access, or pass "
-                   "memory_tier='<a writable dir on a tmpfs>'")
-        elif code == errno.EEXIST:
-            fix = ("a file pitstop did not make (another user's, or a symlink) is in the way: "
-                   "remove it, or pass memory_tier='<a directory of your own on a tmpfs>'")
-        elif code == errno.ENOENT:
-            fix = f"{self.root} does not exist: create it, or pass another memory_tier"
-        else:
-            fix = ("enlarge /dev/shm (`docker run --shm-size=<size>`; in Kubernetes mount an "
-                   "emptyDir with `medium: Memory` and a sizeLimit at /dev/shm), or pass "
-                   "memory_tier='<dir on a larger tmpfs>'")
+        fix = self._fix(error)
         text = (f"pitstop: the memory tier cannot hold this snapshot ({type(error).__name__}: "
                 f"{error}): the state needs {_mib(nbytes)} and {have}. Saves go on, staged in "
                 "private memory (a crash between a save and its commit then loses that "

@@ -559,9 +559,8 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
         last: Exception | None = None
-        for s in [step] if step is not None else reversed(steps):
-            if step is None and s not in self._committed():
-                continue  # deleted meanwhile (another writer's retention): not corrupt
+        vanished: list[int] = []
+        for s in [step] if step is not None else self._newest_first(vanished):
             try:
                 with self.storage.read_lease(self.naming.name(s)), _no_gc():
                     reader = CheckpointReader(self.storage, self.naming.name(s),
@@ -570,7 +569,13 @@ class CheckpointManager:
                     return reader.load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if step is not None:
-                    raise
+                    gone = self._gone(step, e)
+                    if gone is None:
+                        raise
+                    raise gone from e
+                if s not in self._committed():
+                    vanished.append(s)  # deleted meanwhile (another writer's retention)
+                    continue
                 warnings.warn(f"pitstop: skipping unreadable checkpoint: {e}", stacklevel=2)
                 last = e
             except OSError as e:
@@ -653,8 +658,26 @@ class CheckpointManager:
             self._engine.drain()
         if step not in self._committed(hidden=True):
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
-        return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming,
-                                encryption=self.encryption).manifest
+        try:
+            return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming,
+                                    encryption=self.encryption).manifest
+        except CorruptCheckpointError as e:
+            gone = self._gone(step, e)
+            if gone is None:
+                raise
+            raise gone from e
+
+    def _gone(self, step: int, e: CheckpointError) -> CheckpointNotFoundError | None:
+        """A checkpoint asked for by number that vanished before a byte of it was read
+        (another process's retention or ``delete()`` between the listing and the read): not
+        found, rather than "corrupt"; None when it is still there (or the target changed)."""
+        if not isinstance(e, CorruptCheckpointError) or e.overwritten or \
+                step in self._committed(hidden=True):
+            return None
+        return CheckpointNotFoundError(
+            f"the checkpoint of step {step} in {self.directory} was deleted while it was "
+            "being opened (by the writer's retention or delete(), in another process); "
+            f"have: {self._committed(hidden=True)[-10:]}")
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save to commit; raises a background failure not yet
@@ -893,16 +916,23 @@ class CheckpointManager:
             if step not in steps:
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} in {self.directory} (have: {steps[-10:]})")
-            return step, self._restore_one(step, flat, strict)
-        steps = self._committed()
+            try:
+                return step, self._restore_one(step, flat, strict)
+            except CorruptCheckpointError as e:
+                gone = self._gone(step, e)
+                if gone is None:
+                    raise
+                raise gone from e
         newer: UnsupportedFormatError | None = None
         corrupt: list[CorruptCheckpointError] = []
-        for s in reversed(steps):
+        vanished: list[int] = []
+        for s in self._newest_first(vanished):
             try:
                 report = self._restore_one(s, flat, strict)
             except CorruptCheckpointError as e:
                 if not e.overwritten and s not in self._committed():
-                    continue  # deleted meanwhile (another writer's retention): not corrupt
+                    vanished.append(s)  # deleted meanwhile (another writer's retention)
+                    continue
                 msg = (f"pitstop: checkpoint {self._path(s)} is corrupt "
                        f"({e}); falling back to the previous one")
                 log.error(msg)
@@ -958,6 +988,32 @@ class CheckpointManager:
             err.overwritten = sorted({k for c in corrupt for k in c.overwritten})
             raise err
         return None, None
+
+    def _newest_first(self, vanished: list[int]) -> Iterator[int]:
+        """Committed steps, newest first, for a restore or load of the newest. When the
+        caller finds the step it tried deleted meanwhile (``vanished`` grows: another
+        process's retention, after committing a newer one), the directory is listed again,
+        so a reader never concludes there is nothing (or only an older step) to read."""
+        tried: set[int] = set()
+        again = 2
+        while True:
+            seen = len(vanished)
+            new = False
+            for s in reversed(self._committed()):
+                if s in tried:
+                    continue
+                new = True
+                tried.add(s)
+                yield s
+                if len(vanished) != seen:
+                    break  # list again: newer steps may have been committed
+            else:
+                if new or not again:
+                    return
+                # nothing (new) listed: a listing is not atomic (the entries, then each
+                # manifest), so one made while retention deleted the step it saw, after
+                # committing one it did not see yet, comes back short; the next one sees it
+                again -= 1
 
     def _restore_world(self, flat: FlatState, step: int | None, strict: bool,
                        coord: Coordinator) -> tuple[int | None, RestoreReport | None]:

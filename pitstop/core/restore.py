@@ -587,7 +587,7 @@ class RestorePlan:
                         self.written.append(key)
                     leaf.assign(value)
                     return
-            except CorruptCheckpointError:
+            except CheckpointError:  # corrupt bytes, or a read that failed (an I/O error)
                 with self._written_lock:
                     self.written.append(key)  # partly written
                 raise
@@ -596,13 +596,16 @@ class RestorePlan:
 
         try:
             reader.per_file(todo, restore_one)
-        except CorruptCheckpointError as e:
-            e.overwritten = sorted(self.written)
-            if self.written:
-                n = len(e.overwritten)
-                some = _some([_q(k) for k in e.overwritten], 10)
+        except CheckpointError as e:
+            written = sorted(self.written)
+            e.overwritten = written  # type: ignore[attr-defined]
+            if written:
+                n = len(written)
+                some = _some([_q(k) for k in written], 10)
                 e.args = (f"{e.args[0]}. The restore had already overwritten {n} entr"
-                          f"{'y' if n == 1 else 'ies'} of the target: {some}",)
+                          f"{'y' if n == 1 else 'ies'} of the target: {some}"
+                          + ("" if isinstance(e, CorruptCheckpointError) else
+                             "; restore again (it overwrites them) before training"),)
             raise
         self.report.written = sorted(self.written)
 

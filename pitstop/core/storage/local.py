@@ -329,26 +329,49 @@ class LocalStorage(Storage):
         path = os.path.join(self.location, META_DIR, relpath)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         mode = 0o666 if self.permissions is None else self.file_mode
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        if self.permissions is not None:
-            _widen(fd, mode)
-        with open(fd, "wb") as f:
-            f.write(data)
-            if self.durable and durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            if self.permissions is not None:
+                _widen(fd, mode)
+            with open(fd, "wb") as f:
+                f.write(data)
+                if self.durable and durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            # a full disk: the temporary must not stay and take the space the next write needs
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if self.durable and durable:
             fsync_dir(os.path.dirname(path))
 
     # ------------------------------------------------------------------ reads
     def list_checkpoints(self) -> list[str]:
+        """Committed checkpoints: entries with a manifest. A listing during which an entry
+        disappeared (retention renamed it away, maybe after committing one this listing's
+        entries were read too early to hold) is made again, so it never comes back short
+        of both the old checkpoint and the new one."""
+        for _ in range(3):
+            out, torn = [], False
+            for e in self._entries():
+                if e.startswith("."):
+                    continue
+                path = os.path.join(self.location, e)
+                if os.path.isfile(os.path.join(path, MANIFEST)):
+                    out.append(e)
+                elif not os.path.lexists(path):
+                    torn = True
+            if not torn:
+                break
+        return out
+
+    def _entries(self) -> list[str]:
         try:
-            entries = os.listdir(self.location)
+            return os.listdir(self.location)
         except FileNotFoundError:
             return []
-        return [e for e in entries
-                if not e.startswith(".") and os.path.isfile(os.path.join(self.location, e, MANIFEST))]
 
     def _safe(self, name: str, relpath: str) -> str:
         base = os.path.realpath(os.path.join(self.location, name))
