@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -136,7 +137,7 @@ class MemoryTier:
             try:
                 with open(meta_path) as f:
                     meta = json.load(f)
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if not isinstance(meta, dict):
                 continue
@@ -155,7 +156,7 @@ class MemoryTier:
                 with open(path) as f:
                     meta = json.load(f)
                 written_for, part = meta.get("directory"), meta.get("part", "")
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, RecursionError):
                 continue
             if isinstance(written_for, str) and not _is_url(written_for) and \
                     not os.path.exists(written_for) and part == self.part:
@@ -240,18 +241,57 @@ def malformed(meta: Any) -> str | None:
             return f"its {key!r} is missing or malformed"
     if meta["hashes"] is not None and not isinstance(meta.get("hash_algorithm"), str):
         return "its 'hash_algorithm' is missing"
+    if meta["hashes"] is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta["hashes"].items()):
+        return "its 'hashes' are not strings"
+    try:
+        layout_from_json(meta["layout"])
+    except ValueError as e:
+        return f"its layout is malformed ({e})"
     return None
 
 
-def layout_from_json(doc: dict[str, Any]) -> Layout:
+def layout_from_json(doc: Any) -> Layout:
+    """The layout a tier description records, checked before anything is mapped with it:
+    distinct keys, known dtypes, sane shapes, each array's bytes (its shape times its
+    itemsize) inside the buffer's total; ValueError otherwise."""
+    from .manifest import MAX_BYTES, MAX_NDIM
+
+    if not isinstance(doc, dict) or not isinstance(doc.get("arrays"), list):
+        raise ValueError("it has no list of arrays")
+    total = doc.get("total")
+    if type(total) is not int or not 0 <= total <= MAX_BYTES:
+        raise ValueError(f"total {str(total)[:40]} is not a byte count")
     keys, shapes, dtypes, offsets, sizes = [], [], [], [], []
-    for k, dt, shape, off, n in doc["arrays"]:
+    for item in doc["arrays"]:
+        if not isinstance(item, list) or len(item) != 5:
+            raise ValueError(f"array entry {str(item)[:60]} is not [key, dtype, shape, "
+                             "offset, length]")
+        k, dt, shape, off, n = item
+        if not isinstance(k, str) or not isinstance(dt, (str, list)) or \
+                not isinstance(shape, list) or len(shape) > MAX_NDIM or \
+                not all(type(x) is int and 0 <= x <= MAX_BYTES for x in [*shape, off, n]):
+            raise ValueError(f"array entry {str(item)[:60]} is malformed")
+        try:
+            dtype = decode_dtype(dt)
+            encode_dtype(dtype)
+        except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad descriptor
+            raise ValueError(f"array {k!r}: dtype {str(dt)[:40]} is not one pitstop "
+                             f"reads ({type(e).__name__})") from None
+        if n != math.prod(shape) * dtype.itemsize or off + n > total:
+            raise ValueError(f"array {k!r}: {n} bytes at {off} do not hold its shape "
+                             f"{shape[:8]} of {dtype} inside the buffer's {total} bytes")
         keys.append(k)
-        dtypes.append(decode_dtype(dt))
+        dtypes.append(dtype)
         shapes.append(tuple(shape))
-        offsets.append(int(off))
-        sizes.append(int(n))
-    layout = Layout(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
-                    int(doc["total"]), tuple(doc.get("group_starts") or ([0] if keys else [])))
-    assert all(encode_dtype(d) is not None for d in layout.dtypes)
-    return layout
+        offsets.append(off)
+        sizes.append(n)
+    if len(set(keys)) != len(keys):
+        raise ValueError("an array is listed twice")
+    starts = doc.get("group_starts") or ([0] if keys else [])
+    if not isinstance(starts, list) or not all(type(x) is int for x in starts) or \
+            (keys and starts[:1] != [0]) or starts != sorted(set(starts)) or \
+            any(not 0 <= x < max(1, len(keys)) for x in starts):
+        raise ValueError(f"group_starts {str(starts)[:40]} are not ascending array indices")
+    return Layout(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
+                  total, tuple(starts))
