@@ -259,7 +259,8 @@ def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
     from .hashing import ALGORITHMS, hash_bytes
     suffix = _HASH_KEY + str(digest).encode() + b'"}'
     algorithm = doc.get("hash_algorithm")
-    if not data.endswith(suffix) or algorithm not in ALGORITHMS or \
+    if not data.endswith(suffix) or not isinstance(algorithm, str) or \
+            algorithm not in ALGORITHMS or \
             hash_bytes(str(algorithm), data[: -len(suffix)] + b"}") != digest:
         raise CorruptCheckpointError(
             f"{where}: manifest hash mismatch (manifest.json changed after it was committed)",

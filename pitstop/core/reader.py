@@ -251,23 +251,29 @@ class CheckpointReader:
         have = available_memory()
         if have is None or need <= have:
             return
-        self._check_frames(list(self.manifest.arrays))
+        self.check_frames()
         raise CheckpointError(
             f"{self.where}: loading it needs {need} bytes ({_gib(need)}) for new arrays, but "
             f"this machine has {have} bytes ({_gib(have)}) available. Restore into existing "
             "arrays with restore(), or load on a machine with more memory.")
 
-    def _check_frames(self, keys: list[str]) -> None:
-        """For arrays whose declared shape differs from the target's: a compressed one
-        whose stored frame decodes to another size is corruption (an edited manifest), not a
-        mismatch; found from the frame headers alone."""
-        for key in keys:
-            whole = self.manifest.arrays.get(key)
-            for entry in whole.parts if whole is not None else []:
-                if entry.codec != "none":
-                    head = np.empty(min(_FRAME_HEADER, entry.length), np.uint8)
-                    got = self._read(entry, entry.offset, head)
-                    self._check_decoded_size(key, entry, head[:got])
+    def check_frames(self, keys: list[str] | None = None) -> None:
+        """Every compressed array of ``keys`` (all by default) decodes to the bytes its
+        shape and dtype declare, as its stored frame header says: an edited manifest
+        claiming more is corruption, found with one small read per array."""
+        whole = self.manifest.arrays
+        items = [(k, p) for k in (whole if keys is None else keys) if k in whole
+                 for p in whole[k].parts if p.codec != "none"]
+        if not items:
+            return
+
+        def check(item: tuple[str, ArrayEntry]) -> None:
+            key, entry = item
+            head = np.empty(min(_FRAME_HEADER, entry.length), np.uint8)
+            got = self._read(entry, entry.offset, head)
+            self._check_decoded_size(key, entry, head[:got])
+
+        self.per_file(sorted(items, key=lambda kv: kv[1].start), check)
 
     def restore_into(self, flat: FlatState, strict: bool = True,
                      checked: Callable[[CheckpointError | None], None] | None = None
@@ -286,9 +292,9 @@ class CheckpointReader:
             try:
                 plan.plan()
             except IncompatibleTargetError as e:
-                self._check_frames(e.mismatched_keys)
+                self.check_frames(e.mismatched_keys)
                 raise
-            self._check_frames(plan.report.mismatched_keys)
+            self.check_frames(plan.report.mismatched_keys)
             plan.check()
         except CheckpointError as e:
             if checked is not None:
