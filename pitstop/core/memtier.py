@@ -239,9 +239,9 @@ def malformed(meta: Any) -> str | None:
                       ("hashes", (dict, type(None)))):
         if not isinstance(meta.get(key), kind):
             return f"its {key!r} is missing or malformed"
-    if meta["hashes"] is not None and not isinstance(meta.get("hash_algorithm"), str):
+    if meta.get("hashes") is not None and not isinstance(meta.get("hash_algorithm"), str):
         return "its 'hash_algorithm' is missing"
-    if meta["hashes"] is not None and not all(
+    if meta.get("hashes") is not None and not all(
             isinstance(k, str) and isinstance(v, str) for k, v in meta["hashes"].items()):
         return "its 'hashes' are not strings"
     try:

@@ -446,32 +446,32 @@ class StructureError(ValueError):
 
 def check_structure(structure: Any, arrays: Mapping[str, Any], values: Mapping[str, Any],
                     path: str = "", depth: int = 0) -> None:
-    """Raise ValueError unless ``structure`` is one :func:`flatten` could have recorded for
-    these array and value keys: every node well formed, every leaf a key that exists (a
-    numpy-scalar leaf an array), so :func:`unflatten` cannot fail on it."""
+    """Raise :class:`StructureError` unless ``structure`` is one :func:`flatten` could have
+    recorded for these array and value keys: every node well formed, every leaf a key that
+    exists (a numpy-scalar leaf an array), so :func:`unflatten` cannot fail on it."""
+    here = _leaf_path(path)
     if depth > 2 * MAX_DEPTH + 8:
-        raise StructureError(f"structure is nested more than {2 * MAX_DEPTH} levels deep", _leaf_path(path))
-    where = _where(path)
+        raise StructureError(f"structure is nested more than {2 * MAX_DEPTH} levels deep", here)
     if type(structure) is int and structure in (0, 1):
-        leaf = _leaf_path(path)
-        if leaf not in arrays and (structure == 1 or leaf not in values):
-            raise StructureError(f"structure names a leaf {_where(leaf)} that the manifest "
-                                 "does not hold" + (" as an array" if leaf in values else ""),
-                                 leaf)
+        if here not in arrays and (structure == 1 or here not in values):
+            raise StructureError(f"structure names a leaf {_where(here)} that the manifest "
+                                 "does not hold" + (" as an array" if here in values else ""),
+                                 here)
         return
+    where = f"structure at {_where(path)}"
     if not isinstance(structure, dict):
-        raise StructureError(f"structure at {where} is {_brief(structure)}, not a node", _leaf_path(path))
+        raise StructureError(f"{where} is {_brief(structure)}, not a node", here)
     tags = [t for t in ("$d", "$l", "$t", "$o") if t in structure]
     extra = set(structure) - {"$d", "$l", "$t", "$o", "$type"}
     if len(tags) != 1 or extra or ("$type" in structure and (
             tags != ["$o"] or not isinstance(structure["$type"], str))):
-        raise StructureError(f"structure at {where} is not a node ({_brief(structure)})", _leaf_path(path))
+        raise StructureError(f"{where} is not a node ({_brief(structure)})", here)
     tag, sub = tags[0], structure[tags[0]]
     if tag == "$o":
         check_structure(sub, arrays, values, path, depth + 1)
         return
     if not isinstance(sub, list):
-        raise StructureError(f"structure at {where}: {tag} holds {_brief(sub)}, not a list", _leaf_path(path))
+        raise StructureError(f"{where}: {tag} holds {_brief(sub)}, not a list", here)
     if tag != "$d":
         for i, s in enumerate(sub):
             check_structure(s, arrays, values, join(path, i), depth + 1)
@@ -479,8 +479,8 @@ def check_structure(structure: Any, arrays: Mapping[str, Any], values: Mapping[s
     for item in sub:
         if not (isinstance(item, list) and len(item) == 2 and (
                 type(item[0]) is str or type(item[0]) is int)):
-            raise StructureError(f"structure at {where}: $d holds {_brief(item)}, not a "
-                             "[str or int key, node] pair", _leaf_path(path))
+            raise StructureError(f"{where}: $d holds {_brief(item)}, not a [str or int key, "
+                                 "node] pair", here)
         check_structure(item[1], arrays, values, join(path, item[0]), depth + 1)
 
 
