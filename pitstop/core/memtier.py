@@ -137,9 +137,15 @@ class MemoryTier:
             try:
                 with open(meta_path) as f:
                     meta = json.load(f)
-            except (OSError, ValueError, RecursionError):
+            except FileNotFoundError:
+                continue  # removed meanwhile (its writer is overwriting the buffer)
+            except (OSError, ValueError, RecursionError) as e:
+                log.warning("pitstop: ignoring memory-tier description %s: unreadable (%s)",
+                            meta_path, type(e).__name__)
                 continue
             if not isinstance(meta, dict):
+                log.warning("pitstop: ignoring memory-tier description %s: not an object",
+                            meta_path)
                 continue
             out.append((meta, meta_path[: -len(".json")] + ".buf"))
         out.sort(key=lambda mb: -_step_of(mb[0]))

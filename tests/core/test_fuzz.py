@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from pitstop.core.errors import CheckpointError, IncompatibleTargetError
 from pitstop.core.hashing import ALGORITHMS, hash_bytes
 from pitstop.core.manager import step_name
 from pitstop.core.manifest import parse, seal
-from pitstop.core.memtier import MemoryTier
+from pitstop.core.memtier import MemoryTier, malformed
 from pitstop.core.reader import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
 from pitstop.core.tree import flatten
@@ -294,6 +295,15 @@ def test_random_memory_tier_descriptions_are_ignored_or_refused(tier_template, d
     shutil.copy(buf, prefix + "-0.buf")
     sealed = kind == "mutated" and isinstance(meta, dict) and meta.get("hashes") is not None
     try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    damaged = not isinstance(doc, dict) or malformed(doc) is not None
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("pitstop").addHandler(handler)
+    try:
         with open_mgr(d, memory_tier=root) as mgr:
             target = blank()
             got = only_checkpoint_errors(mgr.restore, target)
@@ -303,7 +313,11 @@ def test_random_memory_tier_descriptions_are_ignored_or_refused(tier_template, d
             elif not isinstance(got, CheckpointError) and sealed:
                 # taken from the tier: only bytes that match the hashes recorded
                 np.testing.assert_array_equal(target["w"], state_of(2)["w"])
+            if damaged:
+                assert got == 1, "a malformed description was used"
+                assert any("ignoring memory-tier" in m for m in said), said
     finally:
+        logging.getLogger("pitstop").removeHandler(handler)
         shutil.rmtree(work, ignore_errors=True)
 
 
