@@ -317,13 +317,16 @@ MAX_BYTES = 1 << 60
 
 
 def _shape(shape: Any, key: str) -> list[int]:
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or \
-            not all(type(s) is int for s in shape):
+    if type(shape) is not list or len(shape) > MAX_NDIM:
         raise ValueError(f"array {key!r}: shape {_brief(shape)} is not a list of at most "
                          f"{MAX_NDIM} integers")
-    if any(s < 0 for s in shape):
-        raise ValueError(f"array {key!r}: negative shape {shape}")
-    if math.prod(shape) > MAX_ELEMENTS:
+    for s in shape:  # (a loop: the cost of this check is per array, on every restore)
+        if type(s) is not int or s < 0:
+            raise ValueError(f"array {key!r}: shape {_brief(shape)} is not a list of "
+                             "non-negative integers")
+    if len(shape) > 1 and math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
+    if len(shape) == 1 and shape[0] > MAX_ELEMENTS:
         raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
     return list(shape)
 
@@ -544,8 +547,8 @@ def _check_structure(structure: Any, arrays: dict[str, Any], values: dict[str, A
 def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int]) -> ArrayEntry:
     """One array's entry: stored whole, or sharded (its shards must cover it exactly)."""
     shape = _shape(e["shape"], key)
-    _dtype(e["dtype"], key)
     if "shards" in e:
+        _dtype(e["dtype"], key)
         if not isinstance(e["shards"], list) or not e["shards"]:
             raise ValueError(f"array {key!r}: shards is not a non-empty list")
         shards = [_stored(s, key, where, files, e["dtype"], shape) for s in e["shards"]]

@@ -444,43 +444,49 @@ class StructureError(ValueError):
         self.key = key
 
 
+_NODE_TAGS = frozenset(("$d", "$l", "$t"))
+
+
 def check_structure(structure: Any, arrays: Mapping[str, Any], values: Mapping[str, Any],
                     path: str = "", depth: int = 0) -> None:
     """Raise :class:`StructureError` unless ``structure`` is one :func:`flatten` could have
     recorded for these array and value keys: every node well formed, every leaf a key that
     exists (a numpy-scalar leaf an array), so :func:`unflatten` cannot fail on it."""
-    here = _leaf_path(path)
-    if depth > 2 * MAX_DEPTH + 8:
-        raise StructureError(f"structure is nested more than {2 * MAX_DEPTH} levels deep", here)
-    if type(structure) is int and structure in (0, 1):
+    if type(structure) is int and (structure == 0 or structure == 1):
+        here = path or "<root>"
         if here not in arrays and (structure == 1 or here not in values):
             raise StructureError(f"structure names a leaf {_where(here)} that the manifest "
                                  "does not hold" + (" as an array" if here in values else ""),
                                  here)
         return
-    where = f"structure at {_where(path)}"
-    if not isinstance(structure, dict):
-        raise StructureError(f"{where} is {_brief(structure)}, not a node", here)
-    tags = [t for t in ("$d", "$l", "$t", "$o") if t in structure]
-    extra = set(structure) - {"$d", "$l", "$t", "$o", "$type"}
-    if len(tags) != 1 or extra or ("$type" in structure and (
-            tags != ["$o"] or not isinstance(structure["$type"], str))):
-        raise StructureError(f"{where} is not a node ({_brief(structure)})", here)
-    tag, sub = tags[0], structure[tags[0]]
+    if depth > 2 * MAX_DEPTH + 8:
+        raise StructureError(f"structure is nested more than {2 * MAX_DEPTH} levels deep",
+                             _leaf_path(path))
+    if type(structure) is not dict:
+        raise StructureError(f"structure at {_where(path)} is {_brief(structure)}, not a "
+                             "node", _leaf_path(path))
+    n = len(structure)
+    if n == 1:
+        (tag, sub), = structure.items()
+    elif n == 2 and "$o" in structure and type(structure.get("$type")) is str:
+        tag, sub = "$o", structure["$o"]
+    else:
+        tag = sub = None
     if tag == "$o":
         check_structure(sub, arrays, values, path, depth + 1)
         return
-    if not isinstance(sub, list):
-        raise StructureError(f"{where}: {tag} holds {_brief(sub)}, not a list", here)
+    if tag not in _NODE_TAGS or type(sub) is not list:
+        raise StructureError(f"structure at {_where(path)} is not a node "
+                             f"({_brief(structure)})", _leaf_path(path))
     if tag != "$d":
-        for i, s in enumerate(sub):
-            check_structure(s, arrays, values, join(path, i), depth + 1)
+        for i, item in enumerate(sub):
+            check_structure(item, arrays, values, f"{path}/{i}" if path else str(i), depth + 1)
         return
     for item in sub:
-        if not (isinstance(item, list) and len(item) == 2 and (
-                type(item[0]) is str or type(item[0]) is int)):
-            raise StructureError(f"{where}: $d holds {_brief(item)}, not a [str or int key, "
-                                 "node] pair", here)
+        if type(item) is not list or len(item) != 2 or (
+                type(item[0]) is not str and type(item[0]) is not int):
+            raise StructureError(f"structure at {_where(path)}: $d holds {_brief(item)}, not "
+                                 "a [str or int key, node] pair", _leaf_path(path))
         check_structure(item[1], arrays, values, join(path, item[0]), depth + 1)
 
 
