@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -478,8 +478,7 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
     _check_structure(structure, arrays, values, where)
     for r, view in enumerate(ranks, 1):
         if view.structure is not _SAME:
-            mine = {k: e for k, e in arrays.items() if k not in view.absent}
-            mine.update(view.arrays)
+            mine = _ViewKeys(arrays, set(view.absent), view.arrays)
             _check_structure(view.structure, mine,
                              values if view.values is None else view.values, where, r)
     created = doc.get("created_unix", 0.0)
@@ -530,7 +529,17 @@ def _decoded_object(v: Any, what: str, where: str) -> dict[str, Any]:
     return dict(_object(out, what))
 
 
-def _check_structure(structure: Any, arrays: dict[str, Any], values: dict[str, Any],
+class _ViewKeys:
+    """The array keys of one rank's view, without copying rank 0's (``in`` only)."""
+
+    def __init__(self, top: dict[str, Any], absent: set[str], own: dict[str, Any]) -> None:
+        self.top, self.absent, self.own = top, absent, own
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.own or (key in self.top and key not in self.absent)
+
+
+def _check_structure(structure: Any, arrays: Container[str], values: Container[str],
                      where: str, rank: int = 0) -> None:
     """The recorded structure rebuilds from these keys (see :func:`tree.check_structure`)."""
     if structure is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Container, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -447,7 +447,7 @@ class StructureError(ValueError):
 _NODE_TAGS = frozenset(("$d", "$l", "$t"))
 
 
-def check_structure(structure: Any, arrays: Mapping[str, Any], values: Mapping[str, Any],
+def check_structure(structure: Any, arrays: Container[str], values: Container[str],
                     path: str = "", depth: int = 0) -> None:
     """Raise :class:`StructureError` unless ``structure`` is one :func:`flatten` could have
     recorded for these array and value keys: every node well formed, every leaf a key that

@@ -26,6 +26,9 @@ from .base import Storage, Transaction, Writer
 _TMP_META = re.compile(r"^.+\.tmp-[0-9a-f]{8}$")
 META_DIR = ".pitstop"
 MANIFEST = "manifest.json"
+#: how a manifest is opened to hold (or test) its read lease: never blocking on a FIFO put
+#: in its place (the reader then refuses it as not a regular file)
+_LEASE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def pread_full(fd: int, out: Any, offset: int) -> int:
@@ -196,7 +199,7 @@ class LocalStorage(Storage):
         """Delete ``name`` unless a reader (any process) holds its read lease."""
         path = os.path.join(self.location, name, MANIFEST)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, _LEASE_FLAGS)
         except FileNotFoundError:
             self.delete(name)
             return True
@@ -214,7 +217,7 @@ class LocalStorage(Storage):
     def read_lease(self, name: str) -> Iterator[None]:
         """Hold a shared lock on a checkpoint while reading it, so retention skips it."""
         try:
-            fd = os.open(os.path.join(self.location, name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(os.path.join(self.location, name, MANIFEST), _LEASE_FLAGS)
         except FileNotFoundError:
             yield
             return
@@ -229,7 +232,7 @@ class LocalStorage(Storage):
         ``wait_s`` for readers holding its read lease (``pitstop verify``) to finish."""
         new = aside_name(name, reason, int(time.time()), uuid.uuid4().hex[:4])
         try:
-            fd = os.open(os.path.join(self.location, name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(os.path.join(self.location, name, MANIFEST), _LEASE_FLAGS)
         except OSError:
             fd = None  # no readable manifest (a corrupt checkpoint): nobody can lease it
         try:
