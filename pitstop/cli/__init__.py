@@ -48,6 +48,7 @@ from ..core.errors import (
     DirectoryLockedError,
     EncryptionKeyError,
 )
+from ..core.manifest import Manifest
 from ..core.names import DEFAULT, Naming
 from ..core.reader import CheckpointReader, nbytes_of
 from ..core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
@@ -520,6 +521,19 @@ def _reader(storage: Storage, name: str, naming: Naming) -> CheckpointReader:
         raise CliError(why, code) from None
 
 
+def _checked(reader: CheckpointReader, where: str) -> Manifest:
+    """The reader's manifest, once its data files are there with the recorded sizes, as
+    regular files inside the checkpoint, and its compressed arrays' frames decode to the
+    sizes it declares (``check_files``, ``check_frames``: no array is read)."""
+    try:
+        reader.check_files()
+        reader.check_frames()
+    except Exception as e:  # noqa: BLE001 - every way a file can be wrong
+        code, why = _failure(e, where)
+        raise CliError(why, code) from None
+    return reader.manifest
+
+
 def _tolerant_streams() -> None:
     """Print names that are not valid text (a non-UTF-8 file name) escaped, never crash."""
     for stream in (sys.stdout, sys.stderr):
@@ -656,7 +670,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if retry and _gone(storage, name):
                 continue  # deleted by a live trainer's retention before the lease: look again
             try:
-                m = _reader(storage, name, naming).manifest  # validated before any print
+                # the manifest validated and its files checked (a stat each) before any
+                # print: inspect never describes a checkpoint that cannot be read
+                m = _checked(_reader(storage, name, naming), where)
             except CliError as err:
                 if retry and _gone(storage, name):
                     continue
@@ -1060,7 +1076,7 @@ def _gc_memory_tier(
             if m.group(2) != "json":
                 continue
             buf = f"{stem}-{m.group(1)}.buf"
-            meta = tier.read_description(os.path.join(root, n))
+            meta = tier.read_description(os.path.join(root, n), quiet=True)
             if not isinstance(meta, dict) or buf not in ours:
                 continue
             step = meta.get("step")

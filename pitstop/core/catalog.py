@@ -157,6 +157,42 @@ def resolve_naming(location: str, recorded: Naming | None, step_prefix: str | No
     return asked
 
 
+_STEP = re.compile(r"^(0|[1-9][0-9]{0,17})$")
+
+
+def parse_index(raw: bytes, directory_id: str) -> dict[int, CheckpointInfo]:
+    """The entries of an ``index.json``; ValueError (or TypeError, KeyError) for anything
+    this pitstop would not have written: the index is a cache, so a doubtful one is rebuilt
+    from the manifests rather than trusted in part."""
+    doc = json.loads(raw)
+    if not isinstance(doc, dict) or doc.get("directory_id") != directory_id:
+        raise ValueError("the index of another directory")
+    entries = doc["checkpoints"]
+    if not isinstance(entries, dict):
+        raise TypeError("its checkpoints are not an object")
+    known: dict[int, CheckpointInfo] = {}
+    for s, d in entries.items():
+        if not _STEP.match(s) or not isinstance(d, dict):
+            raise ValueError(f"entry {s[:40]!r} is not a step's")
+        metrics = d.get("metrics") or {}
+        if not isinstance(metrics, dict) or not all(_metric(v) for v in metrics.values()):
+            raise TypeError(f"metrics of step {s} are not names of numbers, strings, bools")
+        flags = [d.get("ours", False), d.get("protected", False)]
+        if not all(type(f) is bool for f in flags) or \
+                d.get("all_finite") not in (None, True, False):
+            raise TypeError(f"flags of step {s} are not booleans")
+        known[int(s)] = CheckpointInfo(int(s), metrics, flags[0], d.get("all_finite"),
+                                       flags[1])
+    return known
+
+
+def _metric(v: Any) -> bool:
+    """A metric value as ``clean_metrics`` lets one be saved (an int within float range)."""
+    if type(v) is int:
+        return abs(v) < 1 << 1023
+    return v is None or type(v) in (float, str, bool)
+
+
 class Catalog:
     """The index of committed checkpoints, retention and moving checkpoints aside."""
 
@@ -201,20 +237,11 @@ class Catalog:
         known: dict[int, CheckpointInfo] = {}
         if raw is not None:
             try:
-                doc = json.loads(raw)
-                if doc["directory_id"] != self.directory_id:
-                    raise ValueError("the index of another directory")
-                for s, d in doc["checkpoints"].items():
-                    metrics = d.get("metrics") or {}
-                    if not isinstance(metrics, dict):
-                        raise TypeError(f"metrics of step {s} are not a dict")
-                    known[int(s)] = CheckpointInfo(int(s), metrics,
-                                                   bool(d.get("ours")), d.get("all_finite"),
-                                                   bool(d.get("protected")))
+                known = parse_index(raw, self.directory_id)
             except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
-                    RecursionError):
-                log.warning("pitstop: %s/.pitstop/%s is unreadable; rebuilding it",
-                            self.storage.location, INDEX)
+                    RecursionError) as e:
+                log.warning("pitstop: %s/.pitstop/%s is unreadable (%s); rebuilding it from "
+                            "the manifests", self.storage.location, INDEX, e)
                 known = {}
         index: dict[int, CheckpointInfo] = {}
         for s in self.committed_steps():

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import decode_dtype
 from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .tree import decode_value, encode_value
+from .tree import StructureError, check_structure, decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
@@ -325,9 +325,21 @@ def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
             manifest.encryption = doc["encryption"]
         _check_encrypted(manifest)
         return manifest
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})",
-                                     checkpoint=where) from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: manifest is nested too deeply to be one",
+                                     checkpoint=where, file="manifest.json") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise CorruptCheckpointError(f"{where}: malformed manifest.json ({what})",
+                                     checkpoint=where, file="manifest.json") from None
+
+
+#: the most dimensions an array may declare (numpy's own limit)
+MAX_NDIM = 64
+#: the most elements, and the most bytes, an array or a file may declare: far beyond any
+#: real checkpoint, small enough that no size computed from them overflows a C integer
+MAX_ELEMENTS = 1 << 56
+MAX_BYTES = 1 << 60
 
 
 def _check_encrypted(m: Manifest) -> None:
@@ -340,11 +352,46 @@ def _check_encrypted(m: Manifest) -> None:
 
 
 def _shape(shape: Any, key: str) -> list[int]:
-    if not isinstance(shape, list) or not all(type(s) is int for s in shape):
-        raise ValueError(f"array {key!r}: shape {shape!r} is not a list of integers")
-    if any(s < 0 for s in shape):
-        raise ValueError(f"array {key!r}: negative shape")
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        raise ValueError(f"array {key!r}: shape {_brief(shape)} is not a list of at most "
+                         f"{MAX_NDIM} integers")
+    for s in shape:  # (a loop: the cost of this check is per array, on every restore)
+        if type(s) is not int or s < 0:
+            raise ValueError(f"array {key!r}: shape {_brief(shape)} is not a list of "
+                             "non-negative integers")
+    if len(shape) > 1 and math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
+    if len(shape) == 1 and shape[0] > MAX_ELEMENTS:
+        raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
     return list(shape)
+
+
+def _brief(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:76] + "...'"
+
+
+def _count(v: Any, what: str, key: str) -> int:
+    """A byte count or offset the manifest declares: a plain, non-negative, sane int."""
+    if type(v) is not int or not 0 <= v <= MAX_BYTES:
+        raise ValueError(f"array {key!r}: {what} {_brief(v)} is not an integer from 0 to "
+                         "2**60")
+    return v
+
+
+def _dtype(descr: Any, key: str) -> Any:
+    """The numpy dtype a manifest declares (ValueError for anything numpy or pitstop would
+    not read back: unknown, object-holding, or of absurd size)."""
+    if not isinstance(descr, (str, list)):
+        raise ValueError(f"array {key!r}: dtype {_brief(descr)} is not a dtype descriptor")
+    try:
+        dt = decode_dtype(descr)
+    except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad descriptor
+        raise ValueError(f"array {key!r}: dtype {_brief(descr)} is not one pitstop reads "
+                         f"({type(e).__name__}: {e})") from None
+    if dt.itemsize > MAX_BYTES >> 20:
+        raise ValueError(f"array {key!r}: dtype {_brief(descr)} has absurd itemsize")
+    return dt
 
 
 def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtype: Any,
@@ -360,22 +407,27 @@ def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtyp
                 f"{where}: array {key!r} has a shard index {str(index)[:100]} that does not lie "
                 f"inside its shape {shape}", checkpoint=where, key=key, file="manifest.json")
         shape = [b - a for a, b in index]
+    if not isinstance(e["file"], str) or not isinstance(e["hash"], str) or \
+            not isinstance(e.get("codec", "none"), str):
+        raise ValueError(f"array {key!r}: its file, hash and codec must be strings")
     entry = ArrayEntry(dtype=dtype, shape=shape, file=e["file"],
-                       offset=int(e["offset"]), length=int(e["length"]), hash=str(e["hash"]),
+                       offset=_count(e["offset"], "offset", key),
+                       length=_count(e["length"], "length", key), hash=e["hash"],
                        codec=e.get("codec", "none"), index=index)
-    if not _CODEC.match(str(entry.codec)):
-        raise ValueError(f"array {key!r}: unknown codec {entry.codec!r}")
+    if not _CODEC.match(entry.codec):
+        raise ValueError(f"array {key!r}: unknown codec {_brief(entry.codec)}")
     if entry.file not in files:
         raise CorruptCheckpointError(
             f"{where}: array {key!r} points to file {entry.file!r}, which the checkpoint "
             "does not list", checkpoint=where, key=key, file=entry.file)
-    if entry.offset < 0 or entry.length < 0:
-        raise ValueError(f"array {key!r}: negative offset or length")
     if entry.offset + entry.length > files[entry.file]:
         raise CorruptCheckpointError(
             f"{where}: array {key!r} ends past the end of {entry.file}",
             checkpoint=where, key=key, file=entry.file)
-    dt = decode_dtype(entry.dtype)
+    dt = _dtype(entry.dtype, key)
+    if math.prod(entry.shape) * dt.itemsize > MAX_BYTES:
+        raise ValueError(f"array {key!r}: shape {entry.shape} of {dt} needs more than 2**60 "
+                         "bytes")
     if entry.codec == "none" and entry.length != math.prod(entry.shape) * dt.itemsize:
         raise CorruptCheckpointError(
             f"{where}: array {key!r} has {entry.length} bytes, its shape and dtype need "
@@ -414,19 +466,21 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
 
 def _validate(doc: dict[str, Any], where: str) -> Manifest:
     files: dict[str, int] = {}
-    for name, info in doc["files"].items():
+    for name, info in _object(doc["files"], "files").items():
         if not _FILE_NAME.match(name):
             raise CorruptCheckpointError(
                 f"{where}: data file name {name!r} is not a plain file name inside the checkpoint",
                 checkpoint=where, file=name)
-        length = info["length"]
-        if not isinstance(length, int) or length < 0:
-            raise ValueError(f"file {name}: bad length {length!r}")
+        length = _object(info, f"files[{name!r}]")["length"]
+        if type(length) is not int or not 0 <= length <= MAX_BYTES:
+            raise ValueError(f"file {name}: bad length {_brief(length)}")
         files[name] = length
-    arrays = {key: _entry(e, key, where, files) for key, e in doc["arrays"].items()}
+    arrays = {key: _entry(_object(e, f"array {key!r}"), key, where, files)
+              for key, e in _object(doc["arrays"], "arrays").items()}
     values = doc.get("values", {})
     if not isinstance(values, dict):
         raise ValueError("values is not an object")
+    _check_values(values, where)
     both = sorted(set(values) & set(arrays))
     if both:
         raise ValueError(f"{both[:3]} are both arrays and values")
@@ -444,6 +498,8 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
                 values=sec.get("values"), structure=sec.get("structure", _SAME))
             if view.values is not None and not isinstance(view.values, dict):
                 raise ValueError(f"world: rank {r}'s values are not an object")
+            if view.values is not None:
+                _check_values(view.values, where)
             if not all(isinstance(k, str) and k in arrays for k in view.absent):
                 raise ValueError(f"world: rank {r}'s absent arrays are not top-level arrays")
             ranks.append(view)
@@ -452,22 +508,91 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         raise ValueError(f"step {step!r} is not an integer")
     from .hashing import ALGORITHMS
     if doc["hash_algorithm"] not in ALGORITHMS:
-        raise ValueError(f"unknown hash_algorithm {doc['hash_algorithm']!r}")
+        raise ValueError(f"unknown hash_algorithm {_brief(doc['hash_algorithm'])}")
+    structure = doc.get("structure")
+    _check_structure(structure, arrays, values, where)
+    for r, view in enumerate(ranks, 1):
+        if view.structure is not _SAME:
+            mine = _ViewKeys(arrays, set(view.absent), view.arrays)
+            _check_structure(view.structure, mine,
+                             values if view.values is None else view.values, where, r)
+    created = doc.get("created_unix", 0.0)
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or \
+            not math.isfinite(created):
+        raise ValueError(f"created_unix {_brief(created)} is not a time")
+    if doc.get("all_finite") not in (None, True, False):
+        raise ValueError(f"all_finite {_brief(doc.get('all_finite'))} is not a bool")
+    if not isinstance(doc.get("directory_id"), (str, type(None))):
+        raise ValueError(f"directory_id {_brief(doc.get('directory_id'))} is not a string")
     return Manifest(
         step=step, arrays=arrays, values=dict(values),
-        structure=doc.get("structure"), files=files,
-        hash_algorithm=str(doc["hash_algorithm"]), metrics=dict(decode_value(doc.get("metrics") or {})),
-        directory_id=doc.get("directory_id"), created_unix=float(doc.get("created_unix", 0.0)),
-        all_finite=doc.get("all_finite"), writer=dict(doc.get("writer") or {}),
-        user_metadata=dict(decode_value(doc.get("user_metadata") or {})),
+        structure=structure, files=files,
+        hash_algorithm=str(doc["hash_algorithm"]),
+        metrics=_decoded_object(doc.get("metrics"), "metrics", where),
+        directory_id=doc.get("directory_id"), created_unix=float(created),
+        all_finite=doc.get("all_finite"),
+        writer=dict(_object(doc.get("writer") or {}, "writer")),
+        user_metadata=_decoded_object(doc.get("user_metadata"), "user_metadata", where),
         format_version=str(doc["format_version"]), world=world, ranks=ranks,
     )
+
+
+def _object(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ValueError(f"{what} is {_brief(v)}, not an object")
+    return v
+
+
+def _check_values(values: dict[str, Any], where: str) -> None:
+    """Every value leaf decodes (the ``$float``, ``$bytes``, ``$tuple``, ``$dict`` wrappers
+    are what :func:`encode_value` writes), or the manifest is corrupt, naming the key."""
+    for key, v in values.items():
+        try:
+            decode_value(v)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: value {key!r} in manifest.json is malformed ({e})",
+                checkpoint=where, key=key, file="manifest.json") from None
+
+
+def _decoded_object(v: Any, what: str, where: str) -> dict[str, Any]:
+    try:
+        out = decode_value(v or {})
+    except (ValueError, TypeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: {what} in manifest.json is malformed ({e})",
+                                     checkpoint=where, file="manifest.json") from None
+    return dict(_object(out, what))
+
+
+class _ViewKeys:
+    """The array keys of one rank's view, without copying rank 0's (``in`` only)."""
+
+    def __init__(self, top: dict[str, Any], absent: set[str], own: dict[str, Any]) -> None:
+        self.top, self.absent, self.own = top, absent, own
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.own or (key in self.top and key not in self.absent)
+
+
+def _check_structure(structure: Any, arrays: Container[str], values: Container[str],
+                     where: str, rank: int = 0) -> None:
+    """The recorded structure rebuilds from these keys (see :func:`tree.check_structure`)."""
+    if structure is None:
+        return
+    try:
+        check_structure(structure, arrays, values)
+    except (StructureError, RecursionError) as e:
+        of = f" of rank {rank}" if rank else ""
+        raise CorruptCheckpointError(
+            f"{where}: the structure{of} in manifest.json is malformed ({e})",
+            checkpoint=where, key=getattr(e, "key", None), file="manifest.json") from None
 
 
 def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int]) -> ArrayEntry:
     """One array's entry: stored whole, or sharded (its shards must cover it exactly)."""
     shape = _shape(e["shape"], key)
     if "shards" in e:
+        _dtype(e["dtype"], key)
         if not isinstance(e["shards"], list) or not e["shards"]:
             raise ValueError(f"array {key!r}: shards is not a non-empty list")
         shards = [_stored(s, key, where, files, e["dtype"], shape) for s in e["shards"]]

@@ -32,6 +32,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -120,14 +121,20 @@ class MemoryTier:
         #: the untrusted tier files already warned about (one warning each)
         self._warned: set[str] = set()
 
-    def read_description(self, path: str) -> Any:
+    def read_description(self, path: str, quiet: bool = False) -> Any:
         """The JSON of the description at ``path``, or None when it is gone, unreadable, or
-        not trusted (:func:`untrusted_file`: warned once, naming the file and its owner)."""
+        not trusted (:func:`untrusted_file`: warned once, naming the file and its owner);
+        an unreadable one is warned about unless ``quiet``."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None  # removed meanwhile (its writer is overwriting the buffer)
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symlink: O_NOFOLLOW refused it
                 self._untrusted(path, os.lstat(path) if os.path.lexists(path) else None)
+            elif not quiet:
+                log.warning("pitstop: ignoring memory-tier description %s: unreadable (%s)",
+                            path, type(e).__name__)
             return None
         try:
             st = os.fstat(fd)
@@ -136,7 +143,10 @@ class MemoryTier:
                 return None
             with os.fdopen(fd, "rb", closefd=False) as f:
                 return json.loads(f.read())
-        except (OSError, ValueError, RecursionError):
+        except (OSError, ValueError, RecursionError) as e:
+            if not quiet:
+                log.warning("pitstop: ignoring memory-tier description %s: unreadable (%s)",
+                            path, type(e).__name__)
             return None
         finally:
             os.close(fd)
@@ -228,6 +238,8 @@ class MemoryTier:
                 continue
             meta = self.read_description(meta_path)
             if not isinstance(meta, dict):
+                log.warning("pitstop: ignoring memory-tier description %s: not an object",
+                            meta_path)
                 continue
             out.append((meta, meta_path[: -len(".json")] + ".buf"))
         out.sort(key=lambda mb: -_step_of(mb[0]))
@@ -240,7 +252,7 @@ class MemoryTier:
                                            f"pitstop-{glob.escape(self.directory_id)}-*.json")):
             if path.startswith(self.prefix + "-"):
                 continue
-            meta = self.read_description(path)
+            meta = self.read_description(path, quiet=True)
             if not isinstance(meta, dict):
                 continue
             written_for, part = meta.get("directory"), meta.get("part", "")
@@ -325,20 +337,59 @@ def malformed(meta: Any) -> str | None:
                       ("hashes", (dict, type(None)))):
         if not isinstance(meta.get(key), kind):
             return f"its {key!r} is missing or malformed"
-    if meta["hashes"] is not None and not isinstance(meta.get("hash_algorithm"), str):
+    if meta.get("hashes") is not None and not isinstance(meta.get("hash_algorithm"), str):
         return "its 'hash_algorithm' is missing"
+    if meta.get("hashes") is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta["hashes"].items()):
+        return "its 'hashes' are not strings"
+    try:
+        layout_from_json(meta["layout"])
+    except ValueError as e:
+        return f"its layout is malformed ({e})"
     return None
 
 
-def layout_from_json(doc: dict[str, Any]) -> Layout:
+def layout_from_json(doc: Any) -> Layout:
+    """The layout a tier description records, checked before anything is mapped with it:
+    distinct keys, known dtypes, sane shapes, each array's bytes (its shape times its
+    itemsize) inside the buffer's total; ValueError otherwise."""
+    from .manifest import MAX_BYTES, MAX_NDIM
+
+    if not isinstance(doc, dict) or not isinstance(doc.get("arrays"), list):
+        raise ValueError("it has no list of arrays")
+    total = doc.get("total")
+    if type(total) is not int or not 0 <= total <= MAX_BYTES:
+        raise ValueError(f"total {str(total)[:40]} is not a byte count")
     keys, shapes, dtypes, offsets, sizes = [], [], [], [], []
-    for k, dt, shape, off, n in doc["arrays"]:
+    for item in doc["arrays"]:
+        if not isinstance(item, list) or len(item) != 5:
+            raise ValueError(f"array entry {str(item)[:60]} is not [key, dtype, shape, "
+                             "offset, length]")
+        k, dt, shape, off, n = item
+        if not isinstance(k, str) or not isinstance(dt, (str, list)) or \
+                not isinstance(shape, list) or len(shape) > MAX_NDIM or \
+                not all(type(x) is int and 0 <= x <= MAX_BYTES for x in [*shape, off, n]):
+            raise ValueError(f"array entry {str(item)[:60]} is malformed")
+        try:
+            dtype = decode_dtype(dt)
+            encode_dtype(dtype)
+        except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad descriptor
+            raise ValueError(f"array {k!r}: dtype {str(dt)[:40]} is not one pitstop "
+                             f"reads ({type(e).__name__})") from None
+        if n != math.prod(shape) * dtype.itemsize or off + n > total:
+            raise ValueError(f"array {k!r}: {n} bytes at {off} do not hold its shape "
+                             f"{shape[:8]} of {dtype} inside the buffer's {total} bytes")
         keys.append(k)
-        dtypes.append(decode_dtype(dt))
+        dtypes.append(dtype)
         shapes.append(tuple(shape))
-        offsets.append(int(off))
-        sizes.append(int(n))
-    layout = Layout(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
-                    int(doc["total"]), tuple(doc.get("group_starts") or ([0] if keys else [])))
-    assert all(encode_dtype(d) is not None for d in layout.dtypes)
-    return layout
+        offsets.append(off)
+        sizes.append(n)
+    if len(set(keys)) != len(keys):
+        raise ValueError("an array is listed twice")
+    starts = doc.get("group_starts") or ([0] if keys else [])
+    if not isinstance(starts, list) or not all(type(x) is int for x in starts) or \
+            (keys and starts[:1] != [0]) or starts != sorted(set(starts)) or \
+            any(not 0 <= x < max(1, len(keys)) for x in starts):
+        raise ValueError(f"group_starts {str(starts)[:40]} are not ascending array indices")
+    return Layout(tuple(keys), tuple(shapes), tuple(dtypes), tuple(offsets), tuple(sizes),
+                  total, tuple(starts))

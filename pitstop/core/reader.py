@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
+import zstandard
 
 from . import codecs
 from .dtypes import decode_dtype
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
 from .names import DEFAULT, Naming
@@ -127,6 +128,12 @@ class CheckpointReader:
         """Read one array (into ``out`` when given: C-contiguous, right shape and dtype); a
         sharded one is assembled shard by shard."""
         dtype = decode_dtype(entry.dtype)
+        payload = None
+        if entry.codec != "none" and entry.shards is None and self._cipher is None:
+            # (encrypted entries stream through _read_encrypted, authenticated segment by
+            # segment) the stored bytes first (bounded by the real file), then their decoded size
+            # from the frame header: nothing of the declared size is made before that holds
+            payload = self._payload(key, entry)
         if out is None:
             out = np.empty(entry.shape, dtype)
         if entry.shards is not None:
@@ -150,12 +157,7 @@ class CheckpointReader:
                     raise self._corrupt(key, entry, "the data file ends early (truncated)")
                 h.update(chunk)
         else:
-            payload = np.empty(entry.length, np.uint8)
-            if self._read(entry, entry.offset, payload) != entry.length:
-                raise self._corrupt(key, entry, "the data file ends early (truncated)")
-            h.update(payload)
-            if h.hexdigest() != entry.hash:
-                raise self._corrupt(key, entry, "hash mismatch (the bytes on disk changed)")
+            assert payload is not None
             try:
                 codecs.decode_into(entry.codec, payload.data, raw)
             except Exception as e:  # noqa: BLE001
@@ -194,6 +196,34 @@ class CheckpointReader:
                 codecs.decode_into(base, target.data, raw)
             except Exception as e:  # noqa: BLE001
                 raise self._corrupt(key, entry, f"cannot decode: {e}") from None
+
+    def _payload(self, key: str, entry: ArrayEntry) -> np.ndarray:
+        """The stored (encoded) bytes of a compressed entry, hash-verified, whose frame says
+        they decode to exactly the bytes the entry's shape and dtype need."""
+        payload = np.empty(entry.length, np.uint8)
+        if self._read(entry, entry.offset, payload) != entry.length:
+            raise self._corrupt(key, entry, "the data file ends early (truncated)")
+        h = new_hasher(self.manifest.hash_algorithm)
+        h.update(payload)
+        if h.hexdigest() != entry.hash:
+            raise self._corrupt(key, entry, "hash mismatch (the bytes on disk changed)")
+        self._check_decoded_size(key, entry, payload[:_FRAME_HEADER])
+        return payload
+
+    def _check_decoded_size(self, key: str, entry: ArrayEntry, head: np.ndarray) -> None:
+        """A zstd frame records how many bytes it decodes to: refuse an entry whose shape
+        and dtype declare another size (an edited manifest) before anything that size is
+        allocated."""
+        if not entry.codec.startswith("zstd") or getattr(self.manifest, "encryption", None):
+            return  # (encrypted bytes: their own read path authenticates them first)
+        need = nbytes_of(entry)
+        try:
+            size = zstandard.frame_content_size(head.tobytes())
+        except zstandard.ZstdError as e:
+            raise self._corrupt(key, entry, f"not a zstd frame ({e})") from None
+        if size >= 0 and size != need:
+            raise self._corrupt(key, entry, f"decodes to {size} bytes, but its shape "
+                                f"{entry.shape} and dtype need {need}")
 
     def _read(self, entry: ArrayEntry, offset: int, out: np.ndarray) -> int:
         src = self._sources.get(entry.file)
@@ -245,18 +275,25 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ whole checkpoint
     def load(self) -> Any:
-        """A fresh nested structure of numpy arrays and values."""
+        """A fresh nested structure of numpy arrays and values: the data files are checked
+        and the memory the new arrays need is known to be there before any is made."""
         m = self.manifest
+        self.check_files()
+        self.check_memory()
         leaves: dict[str, Any] = {}
 
         def load_one(item: tuple[str, ArrayEntry]) -> None:
             key, entry = item
             try:
                 leaves[key] = self.read_array(key, entry)
-            except (ValueError, MemoryError, OverflowError) as e:  # e.g. an absurd shape
+            except (ValueError, OverflowError) as e:  # e.g. an absurd shape
                 raise CorruptCheckpointError(
                     f"{self.where}: array {key!r} cannot be made ({type(e).__name__}: {e})",
                     checkpoint=self.where, key=key, file=MANIFEST) from None
+            except MemoryError:
+                raise CheckpointError(
+                    f"{self.where}: no memory left for array {key!r} ({nbytes_of(entry)} "
+                    "bytes); restore() into existing arrays needs none") from None
 
         self.per_file(sorted(m.arrays.items(), key=lambda kv: kv[1].start), load_one)
         try:
@@ -268,6 +305,38 @@ class CheckpointReader:
             raise CorruptCheckpointError(
                 f"{self.where}: its structure or values in manifest.json are malformed "
                 f"({type(e).__name__}: {e})", checkpoint=self.where, file=MANIFEST) from None
+
+    def check_memory(self) -> None:
+        """Refuse a load whose new arrays need more memory than the machine has available
+        (saying how much), rather than fail inside numpy. A compressed entry declaring more
+        than its stored frame decodes to is corruption, found here without reading it."""
+        need = sum(nbytes_of(e) for e in self.manifest.arrays.values())
+        have = available_memory()
+        if have is None or need <= have:
+            return
+        self.check_frames()
+        raise CheckpointError(
+            f"{self.where}: loading it needs {need} bytes ({_gib(need)}) for new arrays, but "
+            f"this machine has {have} bytes ({_gib(have)}) available. Restore into existing "
+            "arrays with restore(), or load on a machine with more memory.")
+
+    def check_frames(self, keys: list[str] | None = None) -> None:
+        """Every compressed array of ``keys`` (all by default) decodes to the bytes its
+        shape and dtype declare, as its stored frame header says: an edited manifest
+        claiming more is corruption, found with one small read per array."""
+        whole = self.manifest.arrays
+        items = [(k, p) for k in (whole if keys is None else keys) if k in whole
+                 for p in whole[k].parts if p.codec != "none"]
+        if not items:
+            return
+
+        def check(item: tuple[str, ArrayEntry]) -> None:
+            key, entry = item
+            head = np.empty(min(_FRAME_HEADER, entry.length), np.uint8)
+            got = self._read(entry, entry.offset, head)
+            self._check_decoded_size(key, entry, head[:got])
+
+        self.per_file(sorted(items, key=lambda kv: kv[1].start), check)
 
     def restore_into(self, flat: FlatState, strict: bool = True,
                      checked: Callable[[CheckpointError | None], None] | None = None
@@ -282,7 +351,13 @@ class CheckpointReader:
         """
         plan = RestorePlan(self, flat, strict)
         try:
-            plan.plan()
+            self.check_files()  # a manifest that lies about its files is corrupt, not a mismatch
+            try:
+                plan.plan()
+            except IncompatibleTargetError as e:
+                self.check_frames(e.mismatched_keys)
+                raise
+            self.check_frames(plan.report.mismatched_keys)
             plan.check()
         except CheckpointError as e:
             if checked is not None:
@@ -397,6 +472,45 @@ def _slices(index: Any) -> tuple[slice, ...]:
 
 def nbytes_of(entry: ArrayEntry) -> int:
     return math.prod(entry.shape) * decode_dtype(entry.dtype).itemsize
+
+
+#: the longest zstd frame header (magic, descriptor, window, dictionary id, content size)
+_FRAME_HEADER = 18
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process could still get (MemAvailable plus free swap, at most a
+    cgroup's limit), or None when it cannot tell."""
+    have: int | None = None
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = {line.split(b":")[0]: int(line.split()[1]) * 1024
+                    for line in f if line.split()[1:2] and line.split()[1].isdigit()}
+        if b"MemAvailable" in info:
+            have = info[b"MemAvailable"] + info.get(b"SwapFree", 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    if have is None:
+        try:
+            have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+    # a cgroup's limit caps it (its usage is not subtracted: much of it is page cache,
+    # which the kernel reclaims; a false refusal would be worse than numpy's own error)
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            have = min(have, int(text))
+        break
+    return have
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB"
 
 
 __all__ = ["CheckpointReader", "RestoreReport", "RestoredStep", "join"]

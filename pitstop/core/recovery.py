@@ -16,7 +16,7 @@ from typing import Any
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
 from .errors import CheckpointError
 from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces
-from .memtier import MemoryTier
+from .memtier import MemoryTier, malformed
 from .reader import CheckpointReader
 from .snapshot import StagingBuffer, StagingPool
 
@@ -52,7 +52,9 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
         if why is None and only is not None and meta["step"] not in only:
             why = "not every rank of the job holds this step"
         if why is not None:
-            log.info("pitstop: ignoring memory-tier snapshot %s: %s", buf_path, why)
+            # a malformed description is damage (or tampering): said louder than a stale one
+            (log.warning if malformed(meta) is not None else log.info)(
+                "pitstop: ignoring memory-tier snapshot %s: %s", buf_path, why)
             continue
         if any(r.step == meta["step"] for r in recovered):
             continue

@@ -548,7 +548,7 @@ class RestorePlan:
         """Fresh arrays first (nothing live is touched if they are corrupt), then stream the
         rest into the live buffers."""
         flat, m, reader = self.flat, self.m, self.reader
-        reader.check_files()
+        # (the data files were checked before the plan: CheckpointReader.restore_into)
         for p in self.rebuilt:
             self.rebuilt[p] = self.subtree(p, reader.read_array)
         for p in self.replaced:

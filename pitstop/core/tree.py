@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Container, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,22 +364,68 @@ def _too_deep(path: str) -> UnsupportedStateError:
 
 
 def decode_value(v: Any) -> Any:
-    """Inverse of :func:`encode_value`."""
+    """Inverse of :func:`encode_value`. Strict: a wrapper that :func:`encode_value` could
+    not have written (``{"$float": "abc"}``, ``{"$dict": 5}``, ``{"$bytes": "!!!"}``) raises
+    ValueError naming what is wrong, never decodes to something else."""
     if isinstance(v, list):
         return [decode_value(x) for x in v]
     if isinstance(v, dict):
         if len(v) == 1:
             (tag, payload), = v.items()
-            if tag == "$float":
-                return float(payload)
-            if tag == "$bytes":
-                return base64.b64decode(payload, validate=True)
-            if tag == "$tuple":
-                return tuple(decode_value(x) for x in payload)
-            if tag == "$dict":
-                return {_decode_key(k): decode_value(x) for k, x in payload}
+            if tag in _TAGS:
+                return _TAGS[tag](payload)
         return {k: decode_value(x) for k, x in v.items()}
     return v
+
+
+def _decode_float(payload: Any) -> float:
+    if type(payload) is not str:
+        raise ValueError(f"$float holds {_brief(payload)}, not a string")
+    try:
+        return float(payload)
+    except ValueError:
+        raise ValueError(f"$float holds {_brief(payload)}, not a number") from None
+
+
+def _decode_bytes(payload: Any) -> bytes:
+    if type(payload) is not str:
+        raise ValueError(f"$bytes holds {_brief(payload)}, not a base64 string")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        raise ValueError(f"$bytes holds {_brief(payload)}, which is not strict base64") from None
+
+
+def _decode_tuple(payload: Any) -> tuple[Any, ...]:
+    if not isinstance(payload, list):
+        raise ValueError(f"$tuple holds {_brief(payload)}, not a list")
+    return tuple(decode_value(x) for x in payload)
+
+
+def _decode_dict(payload: Any) -> dict[Any, Any]:
+    if not isinstance(payload, list) or not all(
+            isinstance(item, list) and len(item) == 2 for item in payload):
+        raise ValueError(f"$dict holds {_brief(payload)}, not a list of [key, value] pairs")
+    out = {}
+    for k, x in payload:
+        key = _decode_key(k)
+        try:
+            hash(key)
+        except TypeError:
+            raise ValueError(f"$dict has a key {_brief(k)} that cannot be a dict key") from None
+        out[key] = decode_value(x)
+    return out
+
+
+_TAGS: dict[str, Callable[[Any], Any]] = {
+    "$float": _decode_float, "$bytes": _decode_bytes, "$tuple": _decode_tuple,
+    "$dict": _decode_dict,
+}
+
+
+def _brief(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:56] + "...'"
 
 
 def _decode_key(k: Any) -> Any:
@@ -388,6 +434,60 @@ def _decode_key(k: Any) -> Any:
     if isinstance(k, list):
         return tuple(decode_value(x) for x in k)
     return decode_value(k)
+
+
+class StructureError(ValueError):
+    """A recorded structure that does not fit its manifest; ``key`` is where."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+_NODE_TAGS = frozenset(("$d", "$l", "$t"))
+
+
+def check_structure(structure: Any, arrays: Container[str], values: Container[str],
+                    path: str = "", depth: int = 0) -> None:
+    """Raise :class:`StructureError` unless ``structure`` is one :func:`flatten` could have
+    recorded for these array and value keys: every node well formed, every leaf a key that
+    exists (a numpy-scalar leaf an array), so :func:`unflatten` cannot fail on it."""
+    if type(structure) is int and (structure == 0 or structure == 1):
+        here = path or "<root>"
+        if here not in arrays and (structure == 1 or here not in values):
+            raise StructureError(f"structure names a leaf {_where(here)} that the manifest "
+                                 "does not hold" + (" as an array" if here in values else ""),
+                                 here)
+        return
+    if depth > 2 * MAX_DEPTH + 8:
+        raise StructureError(f"structure is nested more than {2 * MAX_DEPTH} levels deep",
+                             _leaf_path(path))
+    if type(structure) is not dict:
+        raise StructureError(f"structure at {_where(path)} is {_brief(structure)}, not a "
+                             "node", _leaf_path(path))
+    n = len(structure)
+    if n == 1:
+        (tag, sub), = structure.items()
+    elif n == 2 and "$o" in structure and type(structure.get("$type")) is str:
+        tag, sub = "$o", structure["$o"]
+    else:
+        tag = sub = None
+    if tag == "$o":
+        check_structure(sub, arrays, values, path, depth + 1)
+        return
+    if tag not in _NODE_TAGS or type(sub) is not list:
+        raise StructureError(f"structure at {_where(path)} is not a node "
+                             f"({_brief(structure)})", _leaf_path(path))
+    if tag != "$d":
+        for i, item in enumerate(sub):
+            check_structure(item, arrays, values, f"{path}/{i}" if path else str(i), depth + 1)
+        return
+    for item in sub:
+        if type(item) is not list or len(item) != 2 or (
+                type(item[0]) is not str and type(item[0]) is not int):
+            raise StructureError(f"structure at {_where(path)}: $d holds {_brief(item)}, not "
+                                 "a [str or int key, node] pair", _leaf_path(path))
+        check_structure(item[1], arrays, values, join(path, item[0]), depth + 1)
 
 
 # --------------------------------------------------------------------------- flatten

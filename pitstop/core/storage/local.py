@@ -69,6 +69,10 @@ def _widen(fd: int, mode: int) -> None:
     if mode & 0o077:
         os.fchmod(fd, mode)
 
+#: how a manifest is opened to hold (or test) its read lease: never blocking on a FIFO put
+#: in its place (the reader then refuses it as not a regular file)
+_LEASE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+
 
 def pread_full(fd: int, out: Any, offset: int) -> int:
     """Fill the writable, contiguous buffer ``out`` from ``offset`` (fewer bytes only at EOF)."""
@@ -88,6 +92,16 @@ def _is(path: str, kind: Any) -> bool:
         return bool(kind(os.lstat(path).st_mode))
     except OSError:
         return False
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return what
+    return "not a regular file"
 
 
 def fsync_dir(path: str) -> None:
@@ -250,7 +264,7 @@ class LocalStorage(Storage):
         """Delete ``name`` unless a reader (any process) holds its read lease."""
         path = os.path.join(self.location, name, MANIFEST)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, _LEASE_FLAGS)
         except FileNotFoundError:
             self.delete(name)
             return True
@@ -268,7 +282,7 @@ class LocalStorage(Storage):
     def read_lease(self, name: str) -> Iterator[None]:
         """Hold a shared lock on a checkpoint while reading it, so retention skips it."""
         try:
-            fd = os.open(os.path.join(self.location, name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(os.path.join(self.location, name, MANIFEST), _LEASE_FLAGS)
         except FileNotFoundError:
             yield
             return
@@ -283,7 +297,7 @@ class LocalStorage(Storage):
         ``wait_s`` for readers holding its read lease (``pitstop verify``) to finish."""
         new = aside_name(name, reason, int(time.time()), uuid.uuid4().hex[:4])
         try:
-            fd = os.open(os.path.join(self.location, name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(os.path.join(self.location, name, MANIFEST), _LEASE_FLAGS)
         except OSError:
             fd = None  # no readable manifest (a corrupt checkpoint): nobody can lease it
         try:
@@ -380,22 +394,46 @@ class LocalStorage(Storage):
             raise PermissionError(f"path {relpath!r} points outside checkpoint {name!r}")
         return path
 
+    def _open(self, name: str, relpath: str) -> int:
+        """A descriptor of one of the checkpoint's own files, for reading: never through a
+        symlink that leaves the checkpoint, and only a regular file (a FIFO, a device or a
+        directory in its place is refused at once, without blocking on it)."""
+        path = self._safe(name, relpath)
+        # O_NOFOLLOW: the checked path cannot be swapped for a symlink before the open;
+        # O_NONBLOCK: opening a FIFO with no writer returns at once (it has no effect on
+        # the reads of a regular file)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise PermissionError(f"{relpath!r} in checkpoint {name!r} is {_kind(mode)}, "
+                                      "not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def read_bytes(self, name: str, relpath: str) -> bytes:
-        with open(self._safe(name, relpath), "rb") as f:
+        with os.fdopen(self._open(name, relpath), "rb") as f:
             return f.read()
 
     def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
-        fd = os.open(self._safe(name, relpath), os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._open(name, relpath)
         try:
             return pread_full(fd, out, offset)
         finally:
             os.close(fd)
 
     def open_reader(self, name: str, relpath: str) -> int:
-        return os.open(self._safe(name, relpath), os.O_RDONLY | os.O_CLOEXEC)
+        return self._open(name, relpath)
 
     def size(self, name: str, relpath: str) -> int:
-        return os.path.getsize(self._safe(name, relpath))
+        path = self._safe(name, relpath)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{relpath!r} in checkpoint {name!r} is "
+                                  f"{_kind(st.st_mode)}, not a regular file")
+        return st.st_size
 
     def read_meta(self, relpath: str) -> bytes | None:
         try:
