@@ -237,6 +237,8 @@ class MemoryTier:
             if not _SLOT.match(meta_path[meta_path.rindex("-"):]):
                 continue
             meta = self.read_description(meta_path)
+            if meta is None:
+                continue  # gone, or unreadable or untrusted (read_description said so)
             if not isinstance(meta, dict):
                 log.warning("pitstop: ignoring memory-tier description %s: not an object",
                             meta_path)
