@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python -m pitstop.cli demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check pitstop tests benchmarks examples
