@@ -29,8 +29,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.reliability import Result  # noqa: E402
 
 #: the scenario modules, in the order they run; the last two are optional
-MODULES = ("crash", "corruption", "faults", "concurrency")
-OPTIONAL = ("faults", "concurrency")
+MODULES = ("crash", "corruption", "faults", "concurrency", "bad_input")
+OPTIONAL = ()
 FULL = 200
 
 

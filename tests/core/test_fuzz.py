@@ -35,7 +35,11 @@ from pitstop.core.tree import flatten
 #: fallbacks to the previous checkpoint warn, as they should: expected here, many times
 pytestmark = pytest.mark.filterwarnings("ignore:pitstop. :UserWarning")
 
-FUZZ = settings(derandomize=True, deadline=None, database=None,
+#: the torture command (benchmarks/reliability/bad_input.py) runs these properties with
+#: SCALE times the examples, drawn from the seed it passes (--hypothesis-seed) instead of
+#: the derandomized ones the suite always tries
+SCALE = int(os.environ.get("PITSTOP_FUZZ_SCALE", "1"))
+FUZZ = settings(derandomize=SCALE == 1, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # --------------------------------------------------------------------------- strategies
@@ -165,7 +169,7 @@ def test_the_fuzzed_checkpoints_read_back(base):
             assert len(mgr.metadata(2).arrays["w"].parts) == (2 if kind == "sharded" else 1)
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=150 * SCALE)
 @given(doc=json_values | st.dictionaries(st.sampled_from(
     ["format", "format_version", "files", "arrays", "values", "structure", "step",
      "hash_algorithm", "world", "metrics"]), nasty, max_size=10))
@@ -177,7 +181,7 @@ def test_parse_of_random_json_raises_only_checkpoint_errors(doc):
         only_checkpoint_errors(parse, data, "fuzz")
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=120 * SCALE)
 @given(data=st.data())
 def test_a_mutated_resealed_manifest_is_read_or_refused_cleanly(base, data):
     kind = data.draw(st.sampled_from(["raw", "zstd", "sharded"]), label="kind")
@@ -215,7 +219,7 @@ def test_a_mutated_resealed_manifest_is_read_or_refused_cleanly(base, data):
 
 
 # --------------------------------------------------------------------------- index.json
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=40 * SCALE)
 @given(data=st.data())
 def test_a_random_index_never_hides_or_invents_checkpoints(base, data):
     d = base["raw"]
@@ -271,7 +275,7 @@ def tier_template(base, tmp_path_factory):
     return d, ident, meta, buf
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=30 * SCALE)
 @given(data=st.data())
 def test_random_memory_tier_descriptions_are_ignored_or_refused(tier_template, data):
     template, ident, good_meta, buf = tier_template
@@ -353,7 +357,7 @@ targets = st.recursive(
     max_leaves=10)
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=150 * SCALE)
 @given(target=targets | st.builds(lambda extra: {**blank(), **extra},
                                   st.dictionaries(st.sampled_from(["w", "s", "v", "z"]),
                                                   targets, max_size=2)),
