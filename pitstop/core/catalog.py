@@ -154,6 +154,12 @@ def check_encryption(location: str, identity: Identity | None, encryption: Any,
             f"{recorded['key_id'][:32]}, the key given has id {encryption.key_id}: not its key. "
             "Give the directory's key (key rotation: see docs/encryption.md)")
     if recorded is None and encryption is not None and identity is not None:
+        if has_checkpoints and not writing:
+            # a key would refuse each of them as unauthenticated: "corrupt", which they are not
+            raise EncryptionKeyError(
+                f"checkpoint directory {location} is not encrypted (its checkpoints are "
+                "plaintext), but encryption= was given; open it without encryption= to read "
+                "them")
         if has_checkpoints:
             raise EncryptionKeyError(
                 f"checkpoint directory {location} holds unencrypted checkpoints; pitstop does "

@@ -221,7 +221,10 @@ class CheckpointManager:
                     os.environ.get(ENV):
                 # reading only (the export helpers, the CLI): the key from its variable
                 encryption = self.encryption = Encryption()
-            check_encryption(self.directory, kind, encryption, False, writing=False)
+            plain = encryption is not None and kind is not None and not kind.encryption \
+                and any(self.naming.parse(n) is not None
+                        for n in wrap_os(self.storage.list_checkpoints, self.directory))
+            check_encryption(self.directory, kind, encryption, plain, writing=False)
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                     read_only=True, naming=self.naming, encryption=encryption)
             wrap_os(self._catalog.reconcile, self.directory, write=False)
