@@ -216,3 +216,18 @@ def test_import_orbax_with_encryption_into_an_encrypted_directory(tmp_path):
         assert m.all_steps() == [1, 7] and m.load(7)["w"].tolist() == [0, 1, 2]
         assert m.metadata(7).step == 7
     assert "encryption" in json.loads((step_dir(d, 7) / "manifest.json").read_bytes())
+
+
+def test_reader_with_a_key_on_a_plaintext_directory_says_so(tmp_path):
+    """Before the fix: a read-only manager given a key on a plaintext directory refused each
+    checkpoint as corrupt ("no valid checkpoint ... all 2 failed verification"); they are
+    fine, the key is what does not fit."""
+    saved(tmp_path, key=None)
+    with pytest.raises(pitstop.EncryptionKeyError, match="without encryption="):
+        mgr(tmp_path, read_only=True)
+    with mgr(tmp_path, key=None, read_only=True) as m:
+        assert m.load()["step"] == 2
+    empty = tmp_path / "empty"
+    mgr(empty, key=None).close()
+    with mgr(empty, read_only=True) as m:  # nothing to misread: allowed, as before
+        assert m.all_steps() == []
