@@ -299,11 +299,6 @@ class CheckpointManager:
                     self.directory_id = identity.directory_id if identity else \
                         wrap_os(create_identity, self.directory, self.storage, self.naming,
                                 encryption)
-                    removed = wrap_os(self.storage.cleanup_incomplete, self.directory,
-                                      self.naming)
-                    if removed:
-                        log.warning("pitstop: removed %d leftover(s) of interrupted saves in "
-                                    "%s: %s", len(removed), self.directory, ", ".join(removed))
                     self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                             read_only=False, naming=self.naming,
                                             on_save=on_save, encryption=encryption)
@@ -312,6 +307,12 @@ class CheckpointManager:
                         # a plaintext directory without checkpoints: encrypted from now on
                         wrap_os(create_identity, self.directory, self.storage, self.naming,
                                 encryption, self.directory_id)
+                    # (after the key is checked: a refused writer changes nothing)
+                    removed = wrap_os(self.storage.cleanup_incomplete, self.directory,
+                                      self.naming)
+                    if removed:
+                        log.warning("pitstop: removed %d leftover(s) of interrupted saves in "
+                                    "%s: %s", len(removed), self.directory, ", ".join(removed))
                     wrap_os(self._catalog.reconcile, self.directory, write=True)
                 except BaseException as e:
                     self._announce(error=e)
