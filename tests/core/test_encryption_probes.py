@@ -231,3 +231,19 @@ def test_reader_with_a_key_on_a_plaintext_directory_says_so(tmp_path):
     mgr(empty, key=None).close()
     with mgr(empty, read_only=True) as m:  # nothing to misread: allowed, as before
         assert m.all_steps() == []
+
+
+def test_refused_writer_leaves_an_interrupted_save_alone(tmp_path):
+    """Before the fix, a writer refused for its key (none, or another) first removed the
+    leftovers of interrupted saves: a refused writer now changes nothing; the next writer
+    with the key removes them as before."""
+    saved(tmp_path, steps=(1,))
+    leftover = tmp_path / ".tmp-step_0000000002-ba05f1c8"
+    leftover.mkdir()
+    (leftover / "data-000.bin").write_bytes(b"x" * 100)
+    for key in (None, OTHER):
+        with pytest.raises(pitstop.EncryptionKeyError):
+            mgr(tmp_path, key=key)
+        assert leftover.exists()
+    mgr(tmp_path).close()
+    assert not leftover.exists()
