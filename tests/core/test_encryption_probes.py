@@ -197,6 +197,10 @@ def test_cli_with_a_key_file_newline_wrong_key_and_no_key(tmp_path):
     assert wrong.returncode == 2 and "not its key" in wrong.stderr, wrong
     none = cli("ls")
     assert none.returncode == 0 and "unreadable" in none.stdout and crypto.ENV in none.stdout
+    # a malformed key: one line and status 2, as inspect and verify (before the fix, ls
+    # repeated the key's error on every row as "unreadable" and exited 0)
+    bad = cli("ls", key="not-a-key")
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad
 
 
 def test_import_orbax_with_encryption_into_an_encrypted_directory(tmp_path):
