@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -251,3 +252,27 @@ def test_refused_writer_leaves_an_interrupted_save_alone(tmp_path):
         assert leftover.exists()
     mgr(tmp_path).close()
     assert not leftover.exists()
+
+
+def test_a_bad_key_is_not_in_the_locals_a_traceback_shows(monkeypatch):
+    """Error reporters (Sentry, rich, pytest -l, TracebackException(capture_locals=True))
+    show each frame's locals. Before the fix a callback returning the key as hex text, or a
+    variable holding a near-key ("0x" + hex, 63 digits, unpadded base64), stayed in the
+    frames of Encryption.__init__/_parse_text; and repr() of the half-made Encryption raised
+    AttributeError (key_id unset), which broke those reporters."""
+    import base64
+    import traceback
+    monkeypatch.setenv("K1", "0x" + KEY.hex())
+    monkeypatch.setenv("K2", KEY.hex()[:63])
+    monkeypatch.setenv("K3", base64.b64encode(KEY).decode().rstrip("="))
+    for make in (lambda: pitstop.Encryption(lambda: KEY.hex()),  # type: ignore[return-value]
+                 lambda: pitstop.Encryption(lambda: KEY[:31]),
+                 lambda: pitstop.Encryption(env="K1"), lambda: pitstop.Encryption(env="K2"),
+                 lambda: pitstop.Encryption(env="K3")):
+        with pytest.raises(pitstop.InvalidArgumentError) as e:
+            make()
+        te = traceback.TracebackException.from_exception(e.value, capture_locals=True)
+        shown = "\n".join(str(f.locals) for f in te.stack if "pitstop" in f.filename)
+        for form in (KEY.hex()[:40], base64.b64encode(KEY).decode()[:40]):
+            assert form not in shown, (form, shown)
+        assert not re.search(r"x1c\\*x1d\\*x1e", shown), shown  # KEY[:31]'s repr
