@@ -276,3 +276,28 @@ def test_a_bad_key_is_not_in_the_locals_a_traceback_shows(monkeypatch):
         for form in (KEY.hex()[:40], base64.b64encode(KEY).decode()[:40]):
             assert form not in shown, (form, shown)
         assert not re.search(r"x1c\\*x1d\\*x1e", shown), shown  # KEY[:31]'s repr
+
+
+def test_a_changed_key_id_is_corrupt_and_restore_falls_back(tmp_path):
+    """Before the fix, one character of the newest manifest's key id changed (bit rot, an
+    edit), or a checkpoint copied in from a run with another key, made restore() raise
+    EncryptionKeyError "not its key" for the directory's own key and resume nothing. In a
+    directory whose identity records the key given, such a checkpoint is not authenticated:
+    corrupt, moved aside, and the previous one restored. A bare reader without the
+    identity's key still says "not its key"."""
+    saved(tmp_path, steps=(1, 2))
+    p = step_dir(tmp_path, 2) / "manifest.json"
+    kid = pitstop.Encryption(lambda: KEY).key_id
+    p.write_bytes(p.read_bytes().replace(kid.encode(), ("0" if kid[0] != "0" else "1").encode()
+                                         + kid[1:].encode()))
+    with mgr(tmp_path) as m, pytest.warns(UserWarning, match="another key id"):
+        t = {"w": np.zeros(8), "step": 0}
+        assert m.restore(t) == 1
+    assert not step_dir(tmp_path, 2).exists()
+    other = tmp_path / "other"
+    saved(other, steps=(1,), key=OTHER)
+    from pitstop.core.reader import CheckpointReader
+    from pitstop.core.storage.local import LocalStorage
+    with pytest.raises(pitstop.EncryptionKeyError, match="not its key"):
+        CheckpointReader(LocalStorage(str(other)), "step_0000000001",
+                         encryption=pitstop.Encryption(lambda: KEY))
