@@ -543,6 +543,7 @@ def _tolerant_streams() -> None:
 
 # ====================================================================== ls
 def cmd_ls(args: argparse.Namespace) -> int:
+    _encryption()  # a malformed key is said once, not on every row as "unreadable"
     storage = _open(args.dir, args.storage_option)
     listing = _scan(storage)
     steps = listing.steps

@@ -110,6 +110,30 @@ def create_identity(storage: Storage, naming: Naming = DEFAULT, encryption: Any 
     return ident
 
 
+def identity_of_checkpoints(storage: Storage, naming: Naming) -> Identity | None:
+    """For a directory without an identity file (its ``.pitstop/`` was not copied along, or
+    was lost): whether its committed checkpoints are encrypted, and with which key id, as the
+    newest readable manifest says (None: no checkpoints). Only used to refuse a writer that
+    would mix plaintext and encrypted checkpoints, and to find the key for a reader; it
+    proves nothing, so it trusts nothing."""
+    from .storage.local import MANIFEST
+    names = sorted((s, n) for n in storage.list_checkpoints()
+                   if (s := naming.parse(n)) is not None)
+    if not names:
+        return None
+    for _, name in reversed(names):
+        try:
+            doc = json.loads(storage.read_bytes(name, MANIFEST))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        enc = doc.get("encryption") if isinstance(doc, dict) else None
+        if isinstance(enc, dict) and isinstance(enc.get("key_id"), str):
+            return Identity("", naming, {"algorithm": str(enc.get("algorithm")),
+                                         "key_id": enc["key_id"]})
+        break
+    return Identity("", naming, None)
+
+
 def check_encryption(location: str, identity: Identity | None, encryption: Any,
                      has_checkpoints: bool, writing: bool = True) -> bool:
     """Whether a manager with ``encryption`` (or None) may use this directory; True when its
@@ -130,6 +154,12 @@ def check_encryption(location: str, identity: Identity | None, encryption: Any,
             f"{recorded['key_id'][:32]}, the key given has id {encryption.key_id}: not its key. "
             "Give the directory's key (key rotation: see docs/encryption.md)")
     if recorded is None and encryption is not None and identity is not None:
+        if has_checkpoints and not writing:
+            # a key would refuse each of them as unauthenticated: "corrupt", which they are not
+            raise EncryptionKeyError(
+                f"checkpoint directory {location} is not encrypted (its checkpoints are "
+                "plaintext), but encryption= was given; open it without encryption= to read "
+                "them")
         if has_checkpoints:
             raise EncryptionKeyError(
                 f"checkpoint directory {location} holds unencrypted checkpoints; pitstop does "

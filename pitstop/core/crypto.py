@@ -76,8 +76,10 @@ def _parse_text(text: str, env: str) -> bytes:
         raw = b""
     if len(raw) == 32:
         return raw
+    size = len(text)
+    text, raw = "", b""  # (a traceback that shows its frames' locals must not show them)
     raise InvalidArgumentError(
-        f"the environment variable {env} does not hold a 256-bit key ({len(text)} characters "
+        f"the environment variable {env} does not hold a 256-bit key ({size} characters "
         f"that are neither 64 hex digits nor the base64 of 32 bytes). Make a key with {_MAKE_KEY} "
         "and keep it in a secret store; pitstop never writes it anywhere")
 
@@ -113,10 +115,11 @@ class Encryption:
             if not isinstance(raw, (bytes, bytearray, memoryview)) or len(bytes(raw)) != 32:
                 size = len(bytes(raw)) if isinstance(raw, (bytes, bytearray, memoryview)) \
                     else None
+                kind = type(raw).__name__
+                raw = b""  # (a traceback that shows its frames' locals must not show it)
                 raise InvalidArgumentError(
                     "the encryption key callback must return 32 bytes (a 256-bit key), it "
-                    f"returned {type(raw).__name__}" + (f" of {size} bytes" if size is not None
-                                                        else ""))
+                    f"returned {kind}" + (f" of {size} bytes" if size is not None else ""))
             master = bytes(raw)
         else:
             self._source = f"${env}"
@@ -126,14 +129,19 @@ class Encryption:
                     f"encryption was asked for, but the environment variable {env} is not set. "
                     f"Set it to a 256-bit key (64 hex digits; make one with {_MAKE_KEY}), or "
                     "pass encryption=pitstop.Encryption(key=callable_returning_32_bytes)")
-            master = _parse_text(text, env)
+            try:
+                master = _parse_text(text, env)
+            finally:
+                text = None  # (not in this frame's locals if that raised)
         self._data = aead(_hkdf(master, b"data"))
         self._mac = _hkdf(master, b"manifest-mac")
         self.key_id = _hkdf(master, b"key-id", 8).hex()
         del master
 
     def __repr__(self) -> str:
-        return f"Encryption(algorithm={ALGORITHM!r}, key_id={self.key_id!r}, key from {self._source})"
+        # (getattr: one that failed to be made, shown by a traceback with its locals)
+        return (f"Encryption(algorithm={ALGORITHM!r}, key_id={getattr(self, 'key_id', None)!r}, "
+                f"key from {getattr(self, '_source', None)})")
 
     def __reduce__(self) -> Any:
         raise TypeError("a pitstop.Encryption holds key material and is never pickled; make "

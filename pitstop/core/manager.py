@@ -44,7 +44,14 @@ from .arguments import (
     wrap_os,
 )
 from .arguments import check_encryption as check_encryption_arg
-from .catalog import Catalog, check_encryption, create_identity, read_identity, resolve_naming
+from .catalog import (
+    Catalog,
+    check_encryption,
+    create_identity,
+    identity_of_checkpoints,
+    read_identity,
+    resolve_naming,
+)
 from .coordination import CoordinationError, Coordinator
 from .crypto import ENV, Encryption
 from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
@@ -207,11 +214,17 @@ class CheckpointManager:
             #: how this directory names its checkpoints (recorded in .pitstop/directory.json)
             self.naming: Naming = resolve_naming(
                 self.directory, identity.naming if identity else None, step_prefix, step_digits)
-            if encryption is None and identity is not None and identity.encryption and \
+            # no identity (its .pitstop/ not copied along): what the checkpoints say
+            kind = identity or wrap_os(identity_of_checkpoints, self.directory, self.storage,
+                                       self.naming)
+            if encryption is None and kind is not None and kind.encryption and \
                     os.environ.get(ENV):
                 # reading only (the export helpers, the CLI): the key from its variable
                 encryption = self.encryption = Encryption()
-            check_encryption(self.directory, identity, encryption, False, writing=False)
+            plain = encryption is not None and kind is not None and not kind.encryption \
+                and any(self.naming.parse(n) is not None
+                        for n in wrap_os(self.storage.list_checkpoints, self.directory))
+            check_encryption(self.directory, kind, encryption, plain, writing=False)
             self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                     read_only=True, naming=self.naming, encryption=encryption)
             wrap_os(self._catalog.reconcile, self.directory, write=False)
@@ -276,14 +289,16 @@ class CheckpointManager:
                     self.naming = resolve_naming(
                         self.directory, identity.naming if identity else None, step_prefix,
                         step_digits)
+                    if identity is None:
+                        # checkpoints without an identity (their .pitstop/ lost or not
+                        # copied): a writer still never mixes plaintext and encrypted ones
+                        kind = wrap_os(identity_of_checkpoints, self.directory, self.storage,
+                                       self.naming)
+                        if kind is not None:
+                            check_encryption(self.directory, kind, encryption, True)
                     self.directory_id = identity.directory_id if identity else \
                         wrap_os(create_identity, self.directory, self.storage, self.naming,
                                 encryption)
-                    removed = wrap_os(self.storage.cleanup_incomplete, self.directory,
-                                      self.naming)
-                    if removed:
-                        log.warning("pitstop: removed %d leftover(s) of interrupted saves in "
-                                    "%s: %s", len(removed), self.directory, ", ".join(removed))
                     self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                             read_only=False, naming=self.naming,
                                             on_save=on_save, encryption=encryption)
@@ -292,6 +307,12 @@ class CheckpointManager:
                         # a plaintext directory without checkpoints: encrypted from now on
                         wrap_os(create_identity, self.directory, self.storage, self.naming,
                                 encryption, self.directory_id)
+                    # (after the key is checked: a refused writer changes nothing)
+                    removed = wrap_os(self.storage.cleanup_incomplete, self.directory,
+                                      self.naming)
+                    if removed:
+                        log.warning("pitstop: removed %d leftover(s) of interrupted saves in "
+                                    "%s: %s", len(removed), self.directory, ", ".join(removed))
                     wrap_os(self._catalog.reconcile, self.directory, write=True)
                 except BaseException as e:
                     self._announce(error=e)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import threading
@@ -15,7 +16,12 @@ import zstandard
 
 from . import codecs
 from .dtypes import decode_dtype
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    EncryptionKeyError,
+    IncompatibleTargetError,
+)
 from .hashing import new_hasher
 from .manifest import ArrayEntry, Manifest, parse
 from .names import DEFAULT, Naming
@@ -41,6 +47,23 @@ class ReadableStorage(Protocol):
     def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int: ...
 
 
+def _directory_key_id(storage: Any) -> str | None:
+    """The key id the directory's identity records (None: none, or unreadable)."""
+    try:
+        doc = json.loads(storage.read_meta("directory.json") or b"null")
+        return str(doc["encryption"]["key_id"])
+    except Exception:  # noqa: BLE001 - no identity, no such method, malformed: no key id
+        return None
+
+
+def _key_id_of(data: bytes) -> str:
+    """The key id an encrypted manifest names, for a message (at most 32 characters)."""
+    try:
+        return str(json.loads(data)["encryption"]["key_id"])[:32]
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
 class CheckpointReader:
     """One committed checkpoint ``name`` in ``storage``, a directory whose checkpoints are
     named by ``naming`` (its manifest must be of the step the name holds).
@@ -64,7 +87,19 @@ class CheckpointReader:
                                          checkpoint=self.where) from None
         except OSError as e:
             raise _os_error(self.where, MANIFEST, e) from None
-        self.manifest: Manifest = parse(data, self.where, encryption)
+        try:
+            self.manifest: Manifest = parse(data, self.where, encryption)
+        except EncryptionKeyError:
+            if encryption is None or _directory_key_id(storage) != encryption.key_id:
+                raise
+            # the directory's own key (its identity says so; writers use no other): a
+            # manifest naming another key was not written here, or was changed (a rotted
+            # key id): unauthenticated, like any corrupt checkpoint, so restore() falls back
+            raise CorruptCheckpointError(
+                f"{self.where}: its manifest names another key id ({_key_id_of(data)}) than "
+                f"this directory's, {encryption.key_id} (the key given): it was copied in from "
+                "elsewhere or its manifest was changed, so it is not authenticated",
+                checkpoint=self.where, file=MANIFEST) from None
         #: decrypts the arrays of an encrypted checkpoint
         self._cipher: Any = None
         if self.manifest.encryption is not None:

@@ -411,9 +411,11 @@ def _pitstop_options(manager_options: Mapping[str, Any]) -> dict[str, Any]:
     return {**manager_options, **_WRITER_OPTIONS}
 
 
-def _existing(pitstop_dir: PathLike, steps: list[int]) -> None:
-    """Raise StepExistsError before reading anything if pitstop_dir has one of ``steps``."""
-    mgr = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None)
+def _existing(pitstop_dir: PathLike, steps: list[int], encryption: Any = None) -> None:
+    """Raise StepExistsError before reading anything if pitstop_dir has one of ``steps``
+    (``encryption``: the import's key, which an encrypted directory needs to be read)."""
+    mgr = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None,
+                            encryption=encryption)
     try:
         have = sorted(set(mgr.all_steps()) & set(steps))
         where = mgr.directory
@@ -501,7 +503,7 @@ def import_orbax(orbax_dir: PathLike, pitstop_dir: PathLike, *, step: int | None
         one = step if step is not None else int(root.name) if root.name.isdigit() else 0
         steps, paths = [one], {one: root}
 
-    _existing(pitstop_dir, steps)
+    _existing(pitstop_dir, steps, options.get("encryption"))
     # the first step is read (and matched to target=) before the pitstop directory is made:
     # a refused import leaves nothing behind
     first = _read_step(ocp, paths[steps[0]], steps[0], items, target)

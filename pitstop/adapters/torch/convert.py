@@ -263,12 +263,13 @@ def _reason(e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- pitstop side
 def _write(state: Any, directory: PathLike, step: int,
-           metrics: Mapping[str, Any] | None) -> int:
-    """Save ``state`` (numpy + values) as committed step ``step``; returns the step."""
+           metrics: Mapping[str, Any] | None, encryption: Any = None) -> int:
+    """Save ``state`` (numpy + values) as committed step ``step``; returns the step.
+    ``encryption``: the key of an encrypted directory (:func:`_refuse_existing` finds it)."""
     # not ``with CheckpointManager(...)``: its __exit__ reports an exception as one "during
     # training", which an import is not
     mgr = CheckpointManager(directory, async_save=False, save_on_signals=None,
-                            memory_tier=False)
+                            memory_tier=False, encryption=encryption)
     try:
         mgr.save(step, state, metrics).wait()
     finally:
@@ -276,12 +277,15 @@ def _write(state: Any, directory: PathLike, step: int,
     return step
 
 
-def _refuse_existing(directory: PathLike, step: int) -> None:
-    """Raise StepExistsError before reading a (possibly large) file to import."""
+def _refuse_existing(directory: PathLike, step: int) -> Any:
+    """Raise StepExistsError before reading a (possibly large) file to import; returns the
+    key of an encrypted directory (from PITSTOP_ENCRYPTION_KEY, as a reader takes it; None
+    for a plaintext one), so the import is encrypted like the directory's checkpoints."""
     mgr = CheckpointManager(directory, read_only=True, save_on_signals=None)
     try:
         exists = step in mgr.all_steps()
         where = mgr.directory
+        key = mgr.encryption
     finally:
         mgr.close()
     if exists:
@@ -289,6 +293,7 @@ def _refuse_existing(directory: PathLike, step: int) -> None:
             f"{where} already has a checkpoint of step {step}; pitstop never overwrites one. "
             "Import under another step (step=...) or into another directory, or delete that "
             "checkpoint first.")
+    return key
 
 
 def _atomic_write(path: PathLike, write: Any) -> None:
@@ -331,7 +336,7 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
     (before reading the file), and :class:`pitstop.CheckpointNotFoundError` for a missing
     file or ``key``.
     """
-    _refuse_existing(directory, step)
+    key_of_directory = _refuse_existing(directory, step)
     source = os.fspath(path)
     # weights_only=True: torch's own restricted unpickler (torch._weights_only_unpickler),
     # kept rather than a pitstop one because torch.save files rebuild tensors through
@@ -354,7 +359,7 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
     tree = _unwrap_module_keys(select(obj, key, source), strip_prefixes,
                                f"import_torch_save({source!r})", key)
     state = _torch_to_numpy_tree(tree)
-    return _write(state, directory, step, metrics)
+    return _write(state, directory, step, metrics, key_of_directory)
 
 
 # ----------------------------------------------------------------------------- DCP metadata
@@ -548,12 +553,12 @@ def import_dcp(dcp_dir: PathLike, directory: PathLike, step: int, *, key: str | 
     non-tensor entries by pitstop with ``torch.load(weights_only=True)`` too (DCP itself
     uses ``weights_only=False`` there).
     """
-    _refuse_existing(directory, step)
+    key_of_directory = _refuse_existing(directory, step)
     tree = _dcp_keys(_load_dcp(dcp_dir))
     source = os.fspath(dcp_dir)
     state = _torch_to_numpy_tree(_unwrap_module_keys(
         select(tree, key, source), strip_prefixes, f"import_dcp({source!r})", key))
-    return _write(state, directory, step, metrics)
+    return _write(state, directory, step, metrics, key_of_directory)
 
 
 def _dcp_keys(obj: Any) -> Any:
