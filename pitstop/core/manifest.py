@@ -36,6 +36,7 @@ MAJOR = 3
 #: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
 SHARD_MARK = "~s"
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_VERSION = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$")
 _CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2}|aes-256-gcm|"
                     r"zstd(\+shuffle[1-9][0-9]{0,2})?\+aes-256-gcm)$")
 
@@ -298,17 +299,19 @@ def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where}: not a pitstop manifest", checkpoint=where)
     encrypted = "encryption" in doc or "manifest_mac" in doc
+    version = doc.get("format_version")
+    # exactly "<major>.<minor>" as pitstop writes it: the version decides how the manifest
+    # is sealed, so a version that int() would read some other way (1, "01.1", " 1.1")
+    # must never skip the seal check
+    if type(version) is not str or not _VERSION.match(version):
+        raise CorruptCheckpointError(f"{where}: bad format_version {_brief(version)}",
+                                     checkpoint=where, file="manifest.json")
+    major = int(version.split(".")[0])
     if encrypted:
         from .crypto import check_sealed
         check_sealed(data, doc, where, encryption)
-    elif str(doc.get("format_version", "")).startswith(("1.", "2.", "3.")):
+    elif 1 <= major <= MAJOR:
         check_seal(data, doc, where)
-    version = doc.get("format_version")
-    try:
-        major = int(str(version).split(".")[0])
-    except ValueError:
-        raise CorruptCheckpointError(f"{where}: bad format_version {version!r}",
-                                     checkpoint=where) from None
     if major > MAJOR:
         raise UnsupportedFormatError(
             f"{where}: written in checkpoint format {version}, but this pitstop reads formats "

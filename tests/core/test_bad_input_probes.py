@@ -1,0 +1,111 @@
+"""Bad input found by probing the one-validation read path as an attacker or a buggy tool
+would: each manifest below is edited *and resealed* (``manifest.seal``) unless the test
+says otherwise. Every one must be a clear :class:`CorruptCheckpointError` (or read back
+exactly), never a raw exception, a hang or a silent wrong resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import pitstop
+from pitstop.core.manager import step_name
+from pitstop.core.manifest import seal
+from pitstop.core.reader import CheckpointReader
+from pitstop.core.storage.local import LocalStorage
+
+
+def state_of(step: int) -> dict:
+    return {"w": np.arange(1000, dtype="f4") * step,
+            "v": {"x": 1.5 * step, "b": b"hi", "t": (step, "s")}}
+
+
+def blank() -> dict:
+    return {"w": np.zeros(1000, "f4"), "v": {"x": 0.0, "b": b"", "t": (0, "")}}
+
+
+def open_mgr(d, **kw) -> pitstop.CheckpointManager:
+    kw.setdefault("memory_tier", False)
+    kw.setdefault("save_on_signals", None)
+    return pitstop.CheckpointManager(d, **kw)
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory):
+    out = {}
+    for kind, kw in (("raw", {}), ("zstd", {"compression": "zstd"})):
+        d = tmp_path_factory.mktemp("tpl") / kind
+        with open_mgr(d, **kw) as mgr:
+            for s in (1, 2):
+                mgr.save(s, state_of(s)).result(timeout=60)
+        out[kind] = d
+    return out
+
+
+@pytest.fixture
+def run(templates, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(templates["raw"], d)
+    return d
+
+
+def ck(d, step: int = 2) -> str:
+    return os.path.join(d, step_name(step))
+
+
+def mpath(d, step: int = 2) -> str:
+    return os.path.join(ck(d, step), "manifest.json")
+
+
+def body_of(d, step: int = 2) -> str:
+    """The manifest's text without its ``manifest_hash`` (ready to edit and reseal)."""
+    with open(mpath(d, step), encoding="utf-8") as f:
+        text = f.read()
+    return text[:text.index(',"manifest_hash"')] + "}"
+
+
+def write(d, text: str | bytes, step: int = 2, sealed: bool = True) -> None:
+    data = text.encode() if isinstance(text, str) else text
+    if sealed:
+        data = seal(data, "xxh3-128")
+    os.chmod(mpath(d, step), 0o644)
+    with open(mpath(d, step), "wb") as f:
+        f.write(data)
+
+
+def edit(d, fn, step: int = 2) -> None:
+    doc = json.loads(body_of(d, step))
+    fn(doc)
+    write(d, json.dumps(doc, separators=(",", ":")), step)
+
+
+def refused(d, match: str, step: int = 2) -> pitstop.CorruptCheckpointError:
+    """Corrupt for the reader, for load() and restore() of that step; the latest falls back."""
+    with pytest.raises(pitstop.CorruptCheckpointError, match=match) as info:
+        CheckpointReader(LocalStorage(str(d), create=False), step_name(step)).verify()
+    with open_mgr(d, read_only=True) as mgr:
+        with pytest.raises(pitstop.CorruptCheckpointError, match=match):
+            mgr.load(step=step)
+        with pytest.raises(pitstop.CorruptCheckpointError, match=match):
+            mgr.restore(blank(), step=step)
+        with pytest.warns(UserWarning, match=step_name(step)):
+            assert mgr.load()["v"] == state_of(1)["v"]
+    return info.value
+
+
+# --------------------------------------------------------------------------- the seal
+@pytest.mark.parametrize("version", [1, 1.1, "01.1", " 1.1", "1", "+1.1", "1.1 ", True])
+def test_a_format_version_int_would_read_otherwise_never_skips_the_seal(run, version):
+    """The seal was checked only when ``str(format_version)`` started with "1.", "2." or
+    "3.", while the major came from ``int(...)``: ``1``, ``"01.1"``, ``" 1.1"`` read as 1.x
+    with the seal never checked, so a manifest changed by hand (its hash now wrong) was
+    restored. The version must be exactly "<major>.<minor>"."""
+    text = body_of(run).replace('"x":3.0', '"x":999.0')  # an edit the seal would catch
+    text = text.replace('"format_version":"1.1"', f'"format_version":{json.dumps(version)}')
+    old = json.loads(open(mpath(run), encoding="utf-8").read())["manifest_hash"]
+    write(run, text[:-1] + f',"manifest_hash":"{old}"}}', sealed=False)
+    refused(run, "bad format_version")
