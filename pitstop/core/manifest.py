@@ -285,11 +285,26 @@ def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
             checkpoint=where, file="manifest.json")
 
 
+def _not_json(word: str) -> Any:
+    """``NaN``, ``Infinity``, ``-Infinity``: Python's json reads them, JSON has no such
+    thing (pitstop writes a non-finite float as ``{"$float": "nan"}``)."""
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent; one too large for a double (``1e400``,
+    which Python would read as infinity) is not one pitstop writes."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
 def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the checkpoint in errors. An
     encrypted one needs ``encryption`` (its key) to check its HMAC seal."""
     try:
-        doc = json.loads(data)
+        doc = json.loads(data, parse_constant=_not_json, parse_float=_finite)
     except RecursionError:
         raise CorruptCheckpointError(f"{where}: manifest is nested too deeply to be one",
                                      checkpoint=where) from None

@@ -109,3 +109,14 @@ def test_a_format_version_int_would_read_otherwise_never_skips_the_seal(run, ver
     old = json.loads(open(mpath(run), encoding="utf-8").read())["manifest_hash"]
     write(run, text[:-1] + f',"manifest_hash":"{old}"}}', sealed=False)
     refused(run, "bad format_version")
+
+
+# --------------------------------------------------------------------------- strict JSON
+@pytest.mark.parametrize("word", ["NaN", "Infinity", "-Infinity", "1e400", "-1e999"])
+def test_the_manifest_is_strict_json_without_non_finite_numbers(run, word):
+    """Python's json reads NaN, Infinity and 1e400 (as inf); the format says the manifest
+    is strict JSON (pitstop writes a non-finite float as {"$float": ...}), which other
+    readers of the format would refuse: so does pitstop, with a clear message."""
+    text = body_of(run).replace('"user_metadata":{}', f'"user_metadata":{{"a":{word}}}')
+    write(run, text)
+    refused(run, "not valid JSON")
