@@ -120,3 +120,20 @@ def test_the_manifest_is_strict_json_without_non_finite_numbers(run, word):
     text = body_of(run).replace('"user_metadata":{}', f'"user_metadata":{{"a":{word}}}')
     write(run, text)
     refused(run, "not valid JSON")
+
+
+# --------------------------------------------------------------------------- shapes, dtypes
+def empty_hash() -> str:
+    import xxhash
+    return xxhash.xxh3_128_hexdigest(b"")
+
+
+@pytest.mark.parametrize("dtype", ["|S0", "<U0"])
+def test_a_zero_size_string_dtype_is_refused_not_filled_with_unread_memory(run, dtype):
+    """numpy makes an array of "S0" as "S1": an entry declaring 10**6 elements of 0 bytes
+    (length 0, the empty hash) loaded as 10**6 bytes never read from the checkpoint, i.e.
+    whatever the allocator held, and past the memory check, which counted 0 bytes."""
+    def fn(doc):
+        doc["arrays"]["w"].update(dtype=dtype, shape=[10**6], length=0, hash=empty_hash())
+    edit(run, fn)
+    refused(run, "has no size")
