@@ -377,8 +377,10 @@ def _shape(shape: Any, key: str) -> list[int]:
         if type(s) is not int or s < 0:
             raise ValueError(f"array {key!r}: shape {_brief(shape)} is not a list of "
                              "non-negative integers")
-    if len(shape) > 1 and math.prod(shape) > MAX_ELEMENTS:
-        raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
+    if len(shape) > 1 and math.prod(s or 1 for s in shape) > MAX_ELEMENTS:
+        # (a 0 among the sizes does not make the others sane: numpy refuses an array whose
+        # other dimensions overflow, [0, 2**40, 2**40, ...], as "too big")
+        raise ValueError(f"array {key!r}: shape {_brief(shape)} has more than 2**56 elements")
     if len(shape) == 1 and shape[0] > MAX_ELEMENTS:
         raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
     return list(shape)

@@ -137,3 +137,12 @@ def test_a_zero_size_string_dtype_is_refused_not_filled_with_unread_memory(run, 
         doc["arrays"]["w"].update(dtype=dtype, shape=[10**6], length=0, hash=empty_hash())
     edit(run, fn)
     refused(run, "has no size")
+
+
+def test_a_zero_sized_shape_with_absurd_other_dimensions_is_corrupt(run):
+    """[0, 2**40, 2**40, ...] holds no element, so the 2**56 bound let it through, but
+    numpy refuses to make it ("array is too big"): verify() raised that raw ValueError."""
+    def fn(doc):
+        doc["arrays"]["w"].update(shape=[0] + [2**40] * 20, length=0, hash=empty_hash())
+    edit(run, fn)
+    refused(run, "more than 2\\*\\*56 elements")
