@@ -466,11 +466,18 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
             boxes.append(s.index)
     overlap = False
     if len(boxes) <= 4096:
-        boxes.sort()
+        # sweep along the dimension the shards split most (sorted by their start there, no
+        # box after one that starts at or past a's end can overlap a): shards split on a
+        # later axis, all sharing the first dimension, are not compared all with all
+        axis = max(range(len(shape)), key=lambda d: len({b[d][0] for b in boxes}),
+                   default=-1)
+        if axis >= 0:
+            boxes.sort(key=lambda b: b[axis][0])
         for i, a in enumerate(boxes):
-            for b in boxes[i + 1:]:
-                if a and b[0][0] >= a[0][1]:
-                    break  # sorted by the first dimension's start: no later box overlaps a
+            for j in range(i + 1, len(boxes)):
+                b = boxes[j]
+                if axis >= 0 and b[axis][0] >= a[axis][1]:
+                    break
                 if all(x[0] < y[1] and y[0] < x[1] for x, y in zip(a, b, strict=True)):
                     overlap = True
                     break

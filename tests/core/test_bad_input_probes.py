@@ -146,3 +146,29 @@ def test_a_zero_sized_shape_with_absurd_other_dimensions_is_corrupt(run):
         doc["arrays"]["w"].update(shape=[0] + [2**40] * 20, length=0, hash=empty_hash())
     edit(run, fn)
     refused(run, "more than 2\\*\\*56 elements")
+
+
+def sharded_manifest(shape: list[int], indices: list) -> bytes:
+    shards = [{"index": ix, "file": "d", "offset": 0, "length": 0, "hash": empty_hash()}
+              for ix in indices]
+    doc = {"format": "pitstop-checkpoint", "format_version": "2.0", "step": 2,
+           "hash_algorithm": "xxh3-128", "files": {"d": {"length": 0}},
+           "arrays": {"w": {"dtype": "|V0", "shape": shape, "shards": shards}},
+           "values": {}, "structure": None}
+    return seal(json.dumps(doc, separators=(",", ":")).encode(), "xxh3-128")
+
+
+@pytest.mark.timeout(60)
+def test_shards_split_on_a_later_axis_are_checked_without_comparing_all_pairs():
+    """The overlap check swept along the first dimension only: 4096 shards of [1, 4096]
+    (split on axis 1, all sharing axis 0) were compared all with all, 17 s per parse (and a
+    restore parses more than once). It now sweeps the axis the shards split most."""
+    from pitstop.core.manifest import parse
+    m = parse(sharded_manifest([1, 4096], [[[0, 1], [i, i + 1]] for i in range(4096)]), "x")
+    assert len(m.arrays["w"].shards) == 4096
+    grid = [[[i, i + 1], [j, j + 1]] for i in range(64) for j in range(64)]
+    assert len(parse(sharded_manifest([64, 64], grid), "x").arrays["w"].shards) == 4096
+    with pytest.raises(pitstop.CorruptCheckpointError, match="exactly once"):
+        parse(sharded_manifest([64, 64], [*grid[:-1], [[0, 1], [0, 1]]]), "x")  # twice + gap
+    with pytest.raises(pitstop.CorruptCheckpointError, match="exactly once"):
+        parse(sharded_manifest([2, 2], [[[0, 2], [0, 1]], [[0, 2], [0, 1]]]), "x")
