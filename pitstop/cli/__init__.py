@@ -1019,7 +1019,7 @@ def _directory_id(storage: Storage) -> tuple[str | None, str | None]:
     if not isinstance(doc, dict):
         return None, f"not a JSON object (found {_short(doc, 40)})"
     ident = doc.get("directory_id")
-    if not isinstance(ident, str) or not _DIRECTORY_ID.match(ident):
+    if not isinstance(ident, str) or not _DIRECTORY_ID.fullmatch(ident):
         return None, f"no valid directory_id in it (found {_short(ident, 40)})"
     return ident, None
 

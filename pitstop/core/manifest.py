@@ -318,7 +318,7 @@ def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
     # exactly "<major>.<minor>" as pitstop writes it: the version decides how the manifest
     # is sealed, so a version that int() would read some other way (1, "01.1", " 1.1")
     # must never skip the seal check
-    if type(version) is not str or not _VERSION.match(version):
+    if type(version) is not str or not _VERSION.fullmatch(version):
         raise CorruptCheckpointError(f"{where}: bad format_version {_brief(version)}",
                                      checkpoint=where, file="manifest.json")
     major = int(version.split(".")[0])
@@ -434,7 +434,7 @@ def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtyp
                        offset=_count(e["offset"], "offset", key),
                        length=_count(e["length"], "length", key), hash=e["hash"],
                        codec=e.get("codec", "none"), index=index)
-    if not _CODEC.match(entry.codec):
+    if not _CODEC.fullmatch(entry.codec):
         raise ValueError(f"array {key!r}: unknown codec {_brief(entry.codec)}")
     if entry.file not in files:
         raise CorruptCheckpointError(
@@ -494,7 +494,7 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
 def _validate(doc: dict[str, Any], where: str) -> Manifest:
     files: dict[str, int] = {}
     for name, info in _object(doc["files"], "files").items():
-        if not _FILE_NAME.match(name):
+        if not _FILE_NAME.fullmatch(name):
             raise CorruptCheckpointError(
                 f"{where}: data file name {name!r} is not a plain file name inside the checkpoint",
                 checkpoint=where, file=name)

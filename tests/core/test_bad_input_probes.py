@@ -172,3 +172,33 @@ def test_shards_split_on_a_later_axis_are_checked_without_comparing_all_pairs():
         parse(sharded_manifest([64, 64], [*grid[:-1], [[0, 1], [0, 1]]]), "x")  # twice + gap
     with pytest.raises(pitstop.CorruptCheckpointError, match="exactly once"):
         parse(sharded_manifest([2, 2], [[[0, 2], [0, 1]], [[0, 2], [0, 1]]]), "x")
+
+
+# --------------------------------------------------------------------------- names
+def test_a_file_name_with_a_trailing_newline_is_not_a_plain_name(run):
+    """The name check used re.match with "$", which matches before a final newline:
+    "data-000.bin\\n" passed as a plain file name (and split the CLI's one-line error)."""
+    def fn(doc):
+        doc["files"]["data-000.bin\n"] = doc["files"].pop("data-000.bin")
+        doc["arrays"]["w"]["file"] = "data-000.bin\n"
+    edit(run, fn)
+    os.rename(os.path.join(ck(run), "data-000.bin"), os.path.join(ck(run), "data-000.bin\n"))
+    refused(run, "plain file name")
+
+
+@pytest.mark.parametrize("field, value", [("format_version", "1.1\n"), ("codec", "none\n")])
+def test_versions_and_codecs_are_matched_whole(run, field, value):
+    def fn(doc):
+        (doc if field == "format_version" else doc["arrays"]["w"])[field] = value
+    edit(run, fn)
+    refused(run, "format_version" if field == "format_version" else "codec")
+
+
+def test_an_index_step_with_a_trailing_newline_is_rebuilt(run):
+    from pitstop.core.catalog import parse_index
+    path = os.path.join(run, ".pitstop", "index.json")
+    with open(path, "rb") as f:
+        doc = json.loads(f.read())
+    doc["checkpoints"] = {f"{k}\n": v for k, v in doc["checkpoints"].items()}
+    with pytest.raises(ValueError, match="is not a step's"):
+        parse_index(json.dumps(doc).encode(), doc["directory_id"])
