@@ -315,6 +315,14 @@ class MemoryTier:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # (a directory made under a tier file's name, a read-only /dev/shm): not a
+                # file the tier can use or remove; opening the directory still works
+                if path in self._warned:
+                    continue
+                self._warned.add(path)
+                log.warning("pitstop: cannot remove memory-tier file %s (%s); remove it by "
+                            "hand", path, e.strerror or type(e).__name__)
 
 
 _SLOT = re.compile(r"^-\d+\.json$")

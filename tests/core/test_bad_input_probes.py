@@ -236,3 +236,22 @@ def test_user_metadata_of_any_savable_kind_goes_through_the_memory_tier(tmp_path
     m = CheckpointReader(LocalStorage(str(d), create=False), step_name(2)).manifest
     assert m.user_metadata == {**meta_um, "f": float("inf")}
     assert m.metrics == {"n": float("inf")}
+
+
+def test_a_directory_in_place_of_a_tier_buffer_does_not_fail_opening(tmp_path, caplog):
+    """A directory under a tier buffer's name: the snapshot is unusable (said), and its
+    removal failed with a raw IsADirectoryError out of CheckpointManager(...)."""
+    from pitstop.core.memtier import MemoryTier
+    root, d = tmp_path / "tier", tmp_path / "run"
+    root.mkdir()
+    with open_mgr(d, memory_tier=str(root)) as mgr:
+        mgr.save(1, state_of(1)).result(timeout=60)
+        ident = mgr.directory_id
+    prefix = MemoryTier(str(root), str(d), ident).prefix
+    os.mkdir(prefix + "-0.buf")
+    with caplog.at_level("WARNING", logger="pitstop"):
+        with open_mgr(d, memory_tier=str(root)) as mgr:
+            target = blank()
+            assert mgr.restore(target) == 1
+    said = [r.getMessage() for r in caplog.records if "cannot remove" in r.getMessage()]
+    assert len(said) == 1 and "Is a directory" in said[0], said
