@@ -289,3 +289,34 @@ def test_a_deeply_nested_valid_value_loads_from_a_deep_call_stack(tmp_path):
             depth, frame = depth + 1, frame.f_back
         got = at_depth(700 - depth, lambda: mgr.load(step=1))
         assert got["cfg"] == nested(190)
+
+
+# --------------------------------------------------------------------------- compressed
+def test_a_frame_header_that_contradicts_its_entry_is_found_before_restore_writes(tmp_path):
+    """A compressed array whose (hash-matching) zstd frame says it decodes to 12000 bytes
+    where its entry needs 4000: restore() found it only while streaming, after writing the
+    arrays before it, and said "had already overwritten 'w'" even of the one it had not.
+    Every frame header is checked with the plan now, so the target is untouched."""
+    import xxhash
+    import zstandard
+    d = tmp_path / "run"
+    with open_mgr(d, compression="zstd") as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"a": np.arange(1000, dtype="f4") * s,
+                         "w": np.arange(1000, dtype="f4") * s}).result(timeout=60)
+    payload = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(12000))
+
+    def fn(doc):
+        old = doc["arrays"]["w"]
+        doc["files"]["extra.bin"] = {"length": len(payload)}
+        doc["arrays"]["w"] = {**old, "file": "extra.bin", "offset": 0, "length": len(payload),
+                              "hash": xxhash.xxh3_128_hexdigest(payload)}
+    edit(d, fn)
+    with open(os.path.join(ck(d), "extra.bin"), "wb") as f:
+        f.write(payload)
+    target = {"a": np.full(1000, 7, "f4"), "w": np.full(1000, 7, "f4")}
+    with open_mgr(d, read_only=True) as mgr:
+        with pytest.raises(pitstop.CorruptCheckpointError, match="decodes to 12000") as info:
+            mgr.restore(target, step=2)
+    assert "overwritten" not in str(info.value)
+    assert (target["a"] == 7).all() and (target["w"] == 7).all()
