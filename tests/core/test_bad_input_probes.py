@@ -320,3 +320,77 @@ def test_a_frame_header_that_contradicts_its_entry_is_found_before_restore_write
             mgr.restore(target, step=2)
     assert "overwritten" not in str(info.value)
     assert (target["a"] == 7).all() and (target["w"] == 7).all()
+
+
+def test_a_zstd_bomb_without_a_content_size_is_refused_without_decoding_it_all(tmp_path):
+    """64 KiB that decode to 2 GiB, with no content size in the frame header (the size
+    check cannot see it): decoding stops at the entry's 4000 bytes."""
+    import resource
+
+    import xxhash
+    import zstandard
+    d = tmp_path / "run"
+    with open_mgr(d, compression="zstd") as mgr:
+        for s in (1, 2):
+            mgr.save(s, state_of(s)).result(timeout=60)
+    obj = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    zeros = bytes(1 << 24)
+    bomb = b"".join([obj.compress(zeros) for _ in range(128)] + [obj.flush()])
+
+    def fn(doc):
+        doc["files"]["bomb.bin"] = {"length": len(bomb)}
+        doc["arrays"]["w"].update(file="bomb.bin", offset=0, length=len(bomb),
+                                  hash=xxhash.xxh3_128_hexdigest(bomb))
+    edit(d, fn)
+    with open(os.path.join(ck(d), "bomb.bin"), "wb") as f:
+        f.write(bomb)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused(d, "cannot decode")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/proc/self/mem", "."])
+def test_a_data_file_linked_to_a_device_or_the_directory_is_refused(run, target):
+    path = os.path.join(ck(run), "data-000.bin")
+    os.unlink(path)
+    os.symlink(target, path)
+    refused(run, "outside checkpoint")
+
+
+def test_a_data_file_hard_linked_from_outside_reads_as_before(run, tmp_path):
+    """A hard link is the same regular file (what cp -l or a dedup tool leaves): its bytes
+    are hash-verified like any others."""
+    path = os.path.join(ck(run), "data-000.bin")
+    outside = tmp_path / "outside.bin"
+    shutil.copy(path, outside)
+    os.unlink(path)
+    os.link(outside, path)
+    with open_mgr(run, read_only=True) as mgr:
+        np.testing.assert_array_equal(mgr.load()["w"], state_of(2)["w"])
+
+
+def test_object_store_file_names_cannot_reach_other_keys():
+    """memory:// (fsspec): a file name spelled to reach another key ("..%2f", a "/") is
+    refused by the name check before the store is asked."""
+    import fsspec
+    url = "memory://probe-bucket/run"
+    fs = fsspec.filesystem("memory")
+    fs.rm("/probe-bucket", recursive=True) if fs.exists("/probe-bucket") else None
+    with open_mgr(url) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state_of(s)).result(timeout=60)
+    key = f"/probe-bucket/run/{step_name(2)}/manifest.json"
+    fs.pipe("/probe-bucket/run/secret.bin", fs.cat(f"/probe-bucket/run/{step_name(1)}/data-000.bin"))
+    body = fs.cat(key)
+    body = body[:body.index(b',"manifest_hash"')] + b"}"
+    try:
+        for name in ("..%2fsecret.bin", "../secret.bin", f"x/../../{step_name(1)}"):
+            doc = json.loads(body)
+            doc["files"] = {name: doc["files"].pop("data-000.bin")}
+            doc["arrays"]["w"]["file"] = name
+            fs.pipe(key, seal(json.dumps(doc, separators=(",", ":")).encode(), "xxh3-128"))
+            with open_mgr(url, read_only=True) as mgr:
+                with pytest.raises(pitstop.CorruptCheckpointError, match="plain file name"):
+                    mgr.load(step=2)
+    finally:
+        fs.rm("/probe-bucket", recursive=True)
