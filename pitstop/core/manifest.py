@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+import threading
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import decode_dtype
 from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .tree import StructureError, check_structure, decode_value, encode_value
+from .tree import MAX_DEPTH, StructureError, check_structure, decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
@@ -303,6 +305,48 @@ def _finite(text: str) -> float:
 def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the checkpoint in errors. An
     encrypted one needs ``encryption`` (its key) to check its HMAC seal."""
+    if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
+        # a caller deep in its own stack: the nesting of a valid manifest must not run into
+        # the recursion limit and be taken for corruption, so it is read on a fresh stack
+        return on_fresh_stack(_parse, data, where, encryption)  # type: ignore[no-any-return]
+    return _parse(data, where, encryption)
+
+
+#: the frames parsing may need: the JSON nesting of the deepest structure pitstop writes
+#: (three levels per container), then the checks walking it, with room to spare
+PARSE_FRAMES = 3 * MAX_DEPTH + 300
+
+
+def deeper_than(frames: int) -> bool:
+    """Whether the caller's stack is more than ``frames`` frames deep."""
+    f: Any = sys._getframe(1)
+    for _ in range(max(frames, 0)):
+        f = f.f_back
+        if f is None:
+            return False
+    return True
+
+
+def on_fresh_stack(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run on a fresh thread's stack (its result, or its exception raised)."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="pitstop-parse", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _parse(data: bytes, where: str, encryption: Any) -> Manifest:
     try:
         doc = json.loads(data, parse_constant=_not_json, parse_float=_finite)
     except RecursionError:

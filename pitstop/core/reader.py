@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from . import codecs
 from .dtypes import decode_dtype
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from .hashing import new_hasher
-from .manifest import ArrayEntry, Manifest, parse
+from .manifest import PARSE_FRAMES, ArrayEntry, Manifest, deeper_than, on_fresh_stack, parse
 from .names import DEFAULT, Naming
 from .restore import RestoredStep, RestorePlan, RestoreReport
 from .storage.local import MANIFEST, pread_full
@@ -296,11 +297,17 @@ class CheckpointReader:
                     "bytes); restore() into existing arrays needs none") from None
 
         self.per_file(sorted(m.arrays.items(), key=lambda kv: kv[1].start), load_one)
-        try:
+
+        def rebuild() -> Any:
             leaves.update({k: decode_value(v) for k, v in m.values.items()})
             if m.structure is None:
                 return leaves
             return unflatten(m.structure, leaves)
+
+        try:
+            if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
+                return on_fresh_stack(rebuild)  # (a deep caller: as in manifest.parse)
+            return rebuild()
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise CorruptCheckpointError(
                 f"{self.where}: its structure or values in manifest.json are malformed "

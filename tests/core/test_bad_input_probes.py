@@ -269,14 +269,11 @@ def at_depth(n: int, fn):
     return fn() if n == 0 else at_depth(n - 1, fn)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "manifest.parse turns any RecursionError met while checking values into 'malformed', "
-    "so a valid checkpoint (values nested 190 deep, within tree.MAX_DEPTH) loaded from a "
-    "deep but legal call stack is called corrupt and load() says there is no valid "
-    "checkpoint. A fix needs an explicit depth bound in decode_value/check_structure for "
-    "the corrupt case and headroom for the legal one (e.g. check in a fresh thread when "
-    "the stack is deep), so a RecursionError never means corruption"))
 def test_a_deeply_nested_valid_value_loads_from_a_deep_call_stack(tmp_path):
+    """parse took any RecursionError met while checking values for corruption: a valid
+    checkpoint (values nested 190 deep, within tree.MAX_DEPTH) loaded from a deep but legal
+    call stack was "malformed", and load() said there was no valid checkpoint. A deep
+    caller's manifest is now parsed (and load's tree rebuilt) on a fresh stack."""
     d = tmp_path / "run"
     state = {"w": np.zeros(3, "f4"), "cfg": nested(190)}
     with open_mgr(d) as mgr:
