@@ -105,7 +105,7 @@ def _metric_text(metrics: dict[str, Any]) -> str:
     for k, v in metrics.items():
         if isinstance(v, float):
             v = f"{v:.6g}"
-        parts.append(f"{k}={v}")
+        parts.append(f"{_shown(k)}={_shown(v)}")
     return " ".join(parts) or "-"
 
 
@@ -114,11 +114,23 @@ def _short(obj: Any, width: int = 100) -> str:
         text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         text = repr(obj)
+    text = _shown(text)
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _one_line(text: object) -> str:
-    return " ".join(str(text).splitlines())
+    return _shown(" ".join(str(text).splitlines()))
+
+
+def _shown(text: object) -> str:
+    """Text read from a checkpoint (a key, a file or metric name) as printable text on one
+    line: a newline, an escape sequence or a bidi override in it is escaped, so a manifest
+    cannot forge output lines ("step 2: ok") or drive the terminal."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace")
+                   .decode("ascii") for c in s)
 
 
 def _why(e: BaseException) -> str:
@@ -705,7 +717,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {m.step}: {where}", file=out)
     print(
         f"  format {m.format_version}, saved {_time(m.created_unix)} by pitstop "
-        f"{w.get('pitstop', '?')} on {w.get('host', '?')} (pid {w.get('pid', '?')})",
+        f"{_shown(w.get('pitstop', '?'))} on {_shown(w.get('host', '?'))} "
+        f"(pid {_shown(w.get('pid', '?'))})",
         file=out,
     )
     print(
@@ -733,8 +746,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 )
             rows.append(
                 (
-                    key,
-                    dtype,
+                    _shown(key),
+                    _shown(dtype),
                     "[" + ", ".join(map(str, e.shape)) + "]",
                     human_size(nbytes_of(e)),
                     at,
@@ -815,7 +828,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     continue
                 failed.append(s)
                 at = ", ".join(
-                    f"{label} {value}"
+                    f"{label} {_shown(value)}"
                     for label, value in (("file", e.file), ("tensor", e.key))
                     if value
                 )
@@ -1020,7 +1033,7 @@ def _directory_id(storage: Storage) -> tuple[str | None, str | None]:
     if not isinstance(doc, dict):
         return None, f"not a JSON object (found {_short(doc, 40)})"
     ident = doc.get("directory_id")
-    if not isinstance(ident, str) or not _DIRECTORY_ID.match(ident):
+    if not isinstance(ident, str) or not _DIRECTORY_ID.fullmatch(ident):
         return None, f"no valid directory_id in it (found {_short(ident, 40)})"
     return ident, None
 

@@ -61,7 +61,7 @@ def read_identity(storage: Storage, *, required: bool) -> Identity | None:
     try:
         doc = json.loads(raw)
         ident = doc["directory_id"]
-        if not isinstance(ident, str) or not _ID.match(ident):
+        if not isinstance(ident, str) or not _ID.fullmatch(ident):
             # the id names memory-tier files: nothing but letters, digits, - and _
             raise TypeError(f"directory_id {ident!r} is not 1-64 letters, digits, - or _")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
@@ -202,7 +202,7 @@ def parse_index(raw: bytes, directory_id: str) -> dict[int, CheckpointInfo]:
         raise TypeError("its checkpoints are not an object")
     known: dict[int, CheckpointInfo] = {}
     for s, d in entries.items():
-        if not _STEP.match(s) or not isinstance(d, dict):
+        if not _STEP.fullmatch(s) or not isinstance(d, dict):
             raise ValueError(f"entry {s[:40]!r} is not a step's")
         metrics = d.get("metrics") or {}
         if not isinstance(metrics, dict) or not all(_metric(v) for v in metrics.values()):

@@ -77,4 +77,9 @@ def _decode(descr: Any) -> np.dtype:
         dt = np.dtype(descr)
     if dt.hasobject:
         raise ValueError(f"dtype {descr!r} holds Python objects")
+    if dt.itemsize == 0 and dt.kind in "SU":
+        # numpy makes an array of "S0" / "U0" as "S1" / "U1" (no real array has them): one
+        # declared of 0 bytes would come back with bytes never read, of memory never cleared
+        raise ValueError(f"dtype {descr!r} has no size (numpy makes arrays of it as "
+                         f"{np.empty(0, dt).dtype.str})")
     return dt

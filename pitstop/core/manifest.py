@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+import threading
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import decode_dtype
 from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .tree import StructureError, check_structure, decode_value, encode_value
+from .tree import MAX_DEPTH, StructureError, check_structure, decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
@@ -36,6 +38,7 @@ MAJOR = 3
 #: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
 SHARD_MARK = "~s"
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_VERSION = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$")
 _CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2}|aes-256-gcm|"
                     r"zstd(\+shuffle[1-9][0-9]{0,2})?\+aes-256-gcm)$")
 
@@ -284,11 +287,68 @@ def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
             checkpoint=where, file="manifest.json")
 
 
+def _not_json(word: str) -> Any:
+    """``NaN``, ``Infinity``, ``-Infinity``: Python's json reads them, JSON has no such
+    thing (pitstop writes a non-finite float as ``{"$float": "nan"}``)."""
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent; one too large for a double (``1e400``,
+    which Python would read as infinity) is not one pitstop writes."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
 def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the checkpoint in errors. An
     encrypted one needs ``encryption`` (its key) to check its HMAC seal."""
+    if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
+        # a caller deep in its own stack: the nesting of a valid manifest must not run into
+        # the recursion limit and be taken for corruption, so it is read on a fresh stack
+        return on_fresh_stack(_parse, data, where, encryption)  # type: ignore[no-any-return]
+    return _parse(data, where, encryption)
+
+
+#: the frames parsing may need: the JSON nesting of the deepest structure pitstop writes
+#: (three levels per container), then the checks walking it, with room to spare
+PARSE_FRAMES = 3 * MAX_DEPTH + 300
+
+
+def deeper_than(frames: int) -> bool:
+    """Whether the caller's stack is more than ``frames`` frames deep."""
+    f: Any = sys._getframe(1)
+    for _ in range(max(frames, 0)):
+        f = f.f_back
+        if f is None:
+            return False
+    return True
+
+
+def on_fresh_stack(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run on a fresh thread's stack (its result, or its exception raised)."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="pitstop-parse", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _parse(data: bytes, where: str, encryption: Any) -> Manifest:
     try:
-        doc = json.loads(data)
+        doc = json.loads(data, parse_constant=_not_json, parse_float=_finite)
     except RecursionError:
         raise CorruptCheckpointError(f"{where}: manifest is nested too deeply to be one",
                                      checkpoint=where) from None
@@ -298,17 +358,19 @@ def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where}: not a pitstop manifest", checkpoint=where)
     encrypted = "encryption" in doc or "manifest_mac" in doc
+    version = doc.get("format_version")
+    # exactly "<major>.<minor>" as pitstop writes it: the version decides how the manifest
+    # is sealed, so a version that int() would read some other way (1, "01.1", " 1.1")
+    # must never skip the seal check
+    if type(version) is not str or not _VERSION.fullmatch(version):
+        raise CorruptCheckpointError(f"{where}: bad format_version {_brief(version)}",
+                                     checkpoint=where, file="manifest.json")
+    major = int(version.split(".")[0])
     if encrypted:
         from .crypto import check_sealed
         check_sealed(data, doc, where, encryption)
-    elif str(doc.get("format_version", "")).startswith(("1.", "2.", "3.")):
+    elif 1 <= major <= MAJOR:
         check_seal(data, doc, where)
-    version = doc.get("format_version")
-    try:
-        major = int(str(version).split(".")[0])
-    except ValueError:
-        raise CorruptCheckpointError(f"{where}: bad format_version {version!r}",
-                                     checkpoint=where) from None
     if major > MAJOR:
         raise UnsupportedFormatError(
             f"{where}: written in checkpoint format {version}, but this pitstop reads formats "
@@ -359,8 +421,10 @@ def _shape(shape: Any, key: str) -> list[int]:
         if type(s) is not int or s < 0:
             raise ValueError(f"array {key!r}: shape {_brief(shape)} is not a list of "
                              "non-negative integers")
-    if len(shape) > 1 and math.prod(shape) > MAX_ELEMENTS:
-        raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
+    if len(shape) > 1 and math.prod(s or 1 for s in shape) > MAX_ELEMENTS:
+        # (a 0 among the sizes does not make the others sane: numpy refuses an array whose
+        # other dimensions overflow, [0, 2**40, 2**40, ...], as "too big")
+        raise ValueError(f"array {key!r}: shape {_brief(shape)} has more than 2**56 elements")
     if len(shape) == 1 and shape[0] > MAX_ELEMENTS:
         raise ValueError(f"array {key!r}: shape {shape} has more than 2**56 elements")
     return list(shape)
@@ -414,7 +478,7 @@ def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtyp
                        offset=_count(e["offset"], "offset", key),
                        length=_count(e["length"], "length", key), hash=e["hash"],
                        codec=e.get("codec", "none"), index=index)
-    if not _CODEC.match(entry.codec):
+    if not _CODEC.fullmatch(entry.codec):
         raise ValueError(f"array {key!r}: unknown codec {_brief(entry.codec)}")
     if entry.file not in files:
         raise CorruptCheckpointError(
@@ -446,11 +510,18 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
             boxes.append(s.index)
     overlap = False
     if len(boxes) <= 4096:
-        boxes.sort()
+        # sweep along the dimension the shards split most (sorted by their start there, no
+        # box after one that starts at or past a's end can overlap a): shards split on a
+        # later axis, all sharing the first dimension, are not compared all with all
+        axis = max(range(len(shape)), key=lambda d: len({b[d][0] for b in boxes}),
+                   default=-1)
+        if axis >= 0:
+            boxes.sort(key=lambda b: b[axis][0])
         for i, a in enumerate(boxes):
-            for b in boxes[i + 1:]:
-                if a and b[0][0] >= a[0][1]:
-                    break  # sorted by the first dimension's start: no later box overlaps a
+            for j in range(i + 1, len(boxes)):
+                b = boxes[j]
+                if axis >= 0 and b[axis][0] >= a[axis][1]:
+                    break
                 if all(x[0] < y[1] and y[0] < x[1] for x, y in zip(a, b, strict=True)):
                     overlap = True
                     break
@@ -467,7 +538,7 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
 def _validate(doc: dict[str, Any], where: str) -> Manifest:
     files: dict[str, int] = {}
     for name, info in _object(doc["files"], "files").items():
-        if not _FILE_NAME.match(name):
+        if not _FILE_NAME.fullmatch(name):
             raise CorruptCheckpointError(
                 f"{where}: data file name {name!r} is not a plain file name inside the checkpoint",
                 checkpoint=where, file=name)

@@ -41,6 +41,7 @@ from typing import Any
 
 from .dtypes import decode_dtype, encode_dtype
 from .snapshot import Layout, StagingBuffer
+from .tree import encode_value
 
 log = logging.getLogger("pitstop")
 
@@ -203,8 +204,10 @@ class MemoryTier:
             "part": self.part, "step": job.step, "committed": False,
             "hashes": hashes, "hash_algorithm": algorithm,
             "values": job.values,
-            "structure": job.structure, "metrics": job.metrics,
-            "user_metadata": job.user_metadata, "check_finite": job.check_finite,
+            # encoded as in the manifest: bytes, tuples, non-str keys and non-finite floats
+            # are JSON only so, and come back as they were saved when recovered
+            "structure": job.structure, "metrics": encode_value(job.metrics),
+            "user_metadata": encode_value(job.user_metadata), "check_finite": job.check_finite,
             "created_unix": job.created_unix,
         }
         text = json.dumps(head, separators=(",", ":"))
@@ -312,6 +315,14 @@ class MemoryTier:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # (a directory made under a tier file's name, a read-only /dev/shm): not a
+                # file the tier can use or remove; opening the directory still works
+                if path in self._warned:
+                    continue
+                self._warned.add(path)
+                log.warning("pitstop: cannot remove memory-tier file %s (%s); remove it by "
+                            "hand", path, e.strerror or type(e).__name__)
 
 
 _SLOT = re.compile(r"^-\d+\.json$")

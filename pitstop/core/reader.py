@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from .errors import (
     IncompatibleTargetError,
 )
 from .hashing import new_hasher
-from .manifest import ArrayEntry, Manifest, parse
+from .manifest import PARSE_FRAMES, ArrayEntry, Manifest, deeper_than, on_fresh_stack, parse
 from .names import DEFAULT, Naming
 from .restore import RestoredStep, RestorePlan, RestoreReport
 from .storage.local import MANIFEST, pread_full
@@ -331,11 +332,17 @@ class CheckpointReader:
                     "bytes); restore() into existing arrays needs none") from None
 
         self.per_file(sorted(m.arrays.items(), key=lambda kv: kv[1].start), load_one)
-        try:
+
+        def rebuild() -> Any:
             leaves.update({k: decode_value(v) for k, v in m.values.items()})
             if m.structure is None:
                 return leaves
             return unflatten(m.structure, leaves)
+
+        try:
+            if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
+                return on_fresh_stack(rebuild)  # (a deep caller: as in manifest.parse)
+            return rebuild()
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise CorruptCheckpointError(
                 f"{self.where}: its structure or values in manifest.json are malformed "
@@ -392,7 +399,9 @@ class CheckpointReader:
             except IncompatibleTargetError as e:
                 self.check_frames(e.mismatched_keys)
                 raise
-            self.check_frames(plan.report.mismatched_keys)
+            # every compressed array, restored or not: a frame header that contradicts its
+            # entry is corruption found before a byte of the target is written
+            self.check_frames()
             plan.check()
         except CheckpointError as e:
             if checked is not None:

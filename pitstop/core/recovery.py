@@ -19,6 +19,7 @@ from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces
 from .memtier import MemoryTier, malformed
 from .reader import CheckpointReader
 from .snapshot import StagingBuffer, StagingPool
+from .tree import decode_value
 
 log = logging.getLogger("pitstop")
 
@@ -60,13 +61,17 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
             continue
         try:
             buf = tier.open_buffer(meta, buf_path)
+            # (encoded as in a manifest; an older pitstop's plain JSON decodes to itself)
+            metrics = decode_value(meta.get("metrics") or {})
+            user_metadata = decode_value(meta.get("user_metadata") or {})
             hashes = meta["hashes"]
             algorithm = meta["hash_algorithm"] if hashes is not None else engine.hash_algorithm
             if hashes is None:
                 # described (complete) but not sealed: the writer died while hashing it
                 hashes = engine.hash_all(buf)
             reader = CheckpointReader(
-                _BufferStorage(buf, _tier_manifest(meta, hashes, algorithm), buf_path),
+                _BufferStorage(buf, _tier_manifest(meta, hashes, algorithm, metrics,
+                                                   user_metadata), buf_path),
                 "memory-tier")
             if meta["hashes"] is not None:
                 reader.verify()
@@ -87,8 +92,8 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
         handle = SaveHandle(step, SaveStats(step=step, bytes=buf.layout.total,
                                             arrays=len(buf.layout.keys)))
         job = PersistJob(step=step, buffer=buf, values=meta["values"], structure=meta["structure"],
-                         metrics=meta.get("metrics") or {}, handle=handle,
-                         user_metadata=meta.get("user_metadata") or {}, hashes=hashes,
+                         metrics=metrics, handle=handle,
+                         user_metadata=user_metadata, hashes=hashes,
                          check_finite=bool(meta.get("check_finite")),
                          created_unix=_created(meta))
         job.release_buffer = False  # restore() may still read it; released by the manager
@@ -104,12 +109,13 @@ def _created(meta: dict[str, Any]) -> float:
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
-def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str) -> bytes:
+def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str,
+                   metrics: Any, user_metadata: Any) -> bytes:
     """A manifest describing a memory-tier buffer, so the normal reader can verify it."""
     m = Manifest(step=int(meta["step"]), hash_algorithm=algorithm,
                  structure=meta["structure"], values=meta["values"],
-                 metrics=meta.get("metrics") or {}, directory_id=meta.get("directory_id"),
-                 created_unix=_created(meta), user_metadata=meta.get("user_metadata") or {})
+                 metrics=metrics, directory_id=meta.get("directory_id"),
+                 created_unix=_created(meta), user_metadata=user_metadata)
     layout = meta["layout"]
     m.files["shm.buf"] = int(layout["total"])
     for k, dt, shape, off, n in layout["arrays"]:
