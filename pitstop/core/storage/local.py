@@ -449,13 +449,29 @@ class LocalStorage(Storage):
     def lock(self) -> Any:
         """Take the directory's writer lock (flock: released by the kernel if the holder dies)."""
         path = os.path.join(self.location, META_DIR, "lock")
+        # O_NOFOLLOW: the lock is truncated and written below, so a symlink planted in its
+        # place (by whoever can write .pitstop, e.g. another user who made the run
+        # directory in /tmp) must never lead that write to a file of the victim's
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         self.file_mode)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, self.file_mode)
             if self.permissions is not None:
                 _widen(fd, self.file_mode)  # new: the mode asked for, exactly
         except FileExistsError:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                             | os.O_NONBLOCK, self.file_mode)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise OSError(errno.ELOOP, f"the lock file {path} is a symlink, not "
+                              "pitstop's; remove it (pitstop never writes through it)",
+                              path) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"the lock file {path} is {_kind(mode)}, not "
+                          "pitstop's; remove it", path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
