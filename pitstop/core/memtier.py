@@ -176,9 +176,16 @@ class MemoryTier:
         return buf.shm_path[: -len(".buf")] + ".json"
 
     def invalidate(self, buf: StagingBuffer) -> None:
-        """Called before a snapshot overwrites ``buf``."""
+        """Called before a snapshot overwrites ``buf``. Another user's file at the
+        description's name (planted: the names are listed in /dev/shm) is left alone, never
+        removed, and does not fail the save: in a sticky /dev/shm its unlink would raise
+        EPERM, and as root it would remove another user's file (the description is then
+        not written: :meth:`_write_text` refuses to replace it)."""
+        path = self.meta_path(buf)
+        if not self._own(path):
+            return  # gone (nothing to do), or another user's (warned once by _own)
         try:
-            os.unlink(self.meta_path(buf))
+            os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -223,9 +230,17 @@ class MemoryTier:
 
     def _write_text(self, path: str, text: str) -> None:
         tmp = path + ".tmp"
+        if os.path.lexists(path) and not self._own(path):
+            # another user's file in the way: never replaced (as root rename would)
+            raise OSError(errno.EEXIST, f"memory-tier file {path} is in the way and not "
+                          "pitstop's to replace (another user's)", path)
         with os.fdopen(create_owned(tmp, os.O_WRONLY), "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            os.unlink(tmp)  # (ours: made just now) e.g. EPERM from a sticky /dev/shm
+            raise
 
     # ------------------------------------------------------------------ recovery
     def candidates(self) -> list[tuple[dict[str, Any], str]]:
