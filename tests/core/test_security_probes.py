@@ -1,0 +1,185 @@
+"""Probes of the security guarantees (docs/security.md) as another local user would attack
+them: files and symlinks planted in a run directory they made, or at the memory tier's
+names in /dev/shm (listed there for everyone to read), and jobs that run as an
+unprivileged user (a real process, uid 65534) so that the sticky bit of /dev/shm and /tmp
+applies to them as it does in production."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+from test_memtier import SHM, tier_files
+from test_permissions import NOBODY, ROOT_ONLY, needs_shm
+
+import pitstop
+import pitstop.cli
+
+OTHER = 65533  # a third user: neither the job's (root or nobody) nor nobody
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _site() -> str | None:
+    """The site-packages holding numpy, if an unprivileged process can read it."""
+    path = os.path.dirname(os.path.dirname(np.__file__))
+    return path if os.access(path, os.R_OK | os.X_OK) else None
+
+
+def run_as_nobody(code: str, *args: str, groups: tuple[int, ...] = ()) -> dict:
+    """Run ``code`` as uid/gid 65534 (supplementary ``groups``) with this repo's pitstop and
+    numpy importable; it prints one JSON object, returned."""
+    site = _site()
+    if site is None or not os.access(REPO, os.R_OK | os.X_OK):
+        pytest.skip("numpy or this repository is not readable by an unprivileged user")
+    head = textwrap.dedent(f"""
+        import json, os, sys
+        sys.path[:0] = [{REPO!r}, {site!r}]
+        os.setgroups({list(groups)!r}); os.setgid({NOBODY}); os.setuid({NOBODY})
+    """)
+    py = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else None
+    if py is None:
+        pytest.skip("no system python for the unprivileged child")
+    r = subprocess.run([py, "-c", head + textwrap.dedent(code), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def shared_base():
+    """A world-traversable scratch directory (tmp_path is root's, 0o700)."""
+    base = tempfile.mkdtemp(prefix="pitstop-sec-")
+    os.chmod(base, 0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ run directory
+@ROOT_ONLY
+def test_a_lock_symlink_planted_in_another_users_run_directory_is_never_written_through(
+        shared_base):
+    """Another user pre-created ``run/.pitstop`` (a /tmp path both can reach) with ``lock``
+    a symlink to a file of the victim's: taking the writer lock truncated and overwrote
+    that file (as root: any file on the machine). Now refused, the file untouched."""
+    victim = os.path.join(shared_base, "victim")
+    with open(victim, "w") as f:
+        f.write("precious")
+    run = os.path.join(shared_base, "run")
+    os.makedirs(os.path.join(run, ".pitstop"))
+    os.symlink(victim, os.path.join(run, ".pitstop", "lock"))
+    for p in (run, os.path.join(run, ".pitstop"), os.path.join(run, ".pitstop", "lock")):
+        os.lchown(p, OTHER, OTHER)
+    os.chmod(run, 0o777)
+    os.chmod(os.path.join(run, ".pitstop"), 0o777)
+    with pytest.raises(pitstop.CheckpointError, match="lock file .* is a symlink"):
+        pitstop.CheckpointManager(run, save_on_signals=None, memory_tier=False)
+    assert pitstop.cli.main(["gc", run]) != 0  # gc takes the same lock: refused too
+    with open(victim) as f:
+        assert f.read() == "precious"
+    assert os.path.islink(os.path.join(run, ".pitstop", "lock"))
+
+
+def test_a_fifo_at_the_lock_name_is_refused_not_hung_on(tmp_path):
+    run = tmp_path / "run"
+    (run / ".pitstop").mkdir(parents=True)
+    os.mkfifo(run / ".pitstop" / "lock")
+    with pytest.raises(pitstop.CheckpointError, match="lock file .* is a FIFO"):
+        pitstop.CheckpointManager(run, save_on_signals=None, memory_tier=False)
+
+
+# ------------------------------------------------------------------ memory tier
+@needs_shm
+@ROOT_ONLY
+def test_another_users_description_at_the_slot_name_is_neither_removed_nor_fatal(
+        tmp_path, caplog):
+    """The tier's names are listed in /dev/shm; a file another user put at the next
+    description's name (``<prefix>-0.json``) was unlinked by root (another user's file
+    removed) before the fix; as non-root see the next test."""
+    with pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None) as mgr:
+        planted = mgr._engine.tier.prefix + "-0.json"
+        with open(planted, "w") as f:
+            f.write('{"theirs": 1}')
+        os.chown(planted, OTHER, OTHER)
+        try:
+            with caplog.at_level(logging.WARNING, logger="pitstop"), \
+                    pytest.warns(UserWarning, match="in the way"):
+                mgr.save(1, {"w": np.ones(4)}).wait()
+                mgr.save(2, {"w": np.ones(4)}).wait()
+            assert mgr.all_steps() == [1, 2]
+            assert "uid 65533" in caplog.text
+        finally:
+            with open(planted) as f:
+                assert f.read() == '{"theirs": 1}'
+            assert os.lstat(planted).st_uid == OTHER
+            os.unlink(planted)
+
+
+_PLANTED_DESCRIPTION_CHILD = """
+    import time, warnings
+    import numpy as np, pitstop
+    warnings.simplefilter("ignore")
+    run, plant_as = sys.argv[1], int(sys.argv[2])
+    out = {}
+    with pitstop.CheckpointManager(run, save_on_signals=None) as mgr:
+        planted = mgr._engine.tier.prefix + "-0.json"
+        with open(sys.argv[1] + ".name", "w") as f:
+            f.write(planted)
+        while not os.path.exists(planted):  # the parent plays the other user
+            time.sleep(0.01)
+        try:
+            for step in (1, 2):
+                mgr.save(step, {"w": np.ones(4)}).wait()
+            out["steps"] = mgr.all_steps()
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+"""
+
+
+@needs_shm
+@ROOT_ONLY
+def test_a_planted_description_cannot_stop_an_unprivileged_jobs_saves(shared_base):
+    """The job runs as nobody; another user (65533) creates ``<prefix>-0.json``. In the
+    sticky /dev/shm the tier's unlink of it raised EPERM inside the snapshot, so every save
+    failed ('the snapshot for step 1 failed: PermissionError'): any local user could stop
+    any job's checkpoints. The tier must step aside instead."""
+    os.chown(shared_base, NOBODY, NOBODY)
+    run = os.path.join(shared_base, "run")
+    import threading
+
+    planted: list[str] = []
+
+    def plant() -> None:
+        for _ in range(3000):
+            try:
+                with open(run + ".name") as f:
+                    name = f.read()
+            except FileNotFoundError:
+                threading.Event().wait(0.01)
+                continue
+            if name:
+                with open(name + ".x", "w") as f:
+                    f.write("{}")
+                os.chown(name + ".x", OTHER, OTHER)
+                os.rename(name + ".x", name)
+                planted.append(name)
+                return
+
+    t = threading.Thread(target=plant, daemon=True)
+    t.start()
+    try:
+        out = run_as_nobody(_PLANTED_DESCRIPTION_CHILD, run, str(OTHER))
+    finally:
+        t.join(5)
+        for name in planted:
+            assert os.lstat(name).st_uid == OTHER  # never removed
+            os.unlink(name)
+    assert out == {"steps": [1, 2]}, out
