@@ -436,14 +436,20 @@ class LocalStorage(Storage):
         return st.st_size
 
     def read_meta(self, relpath: str) -> bytes | None:
+        path = os.path.join(self.location, META_DIR, relpath)
         try:
-            with open(os.path.join(self.location, META_DIR, relpath), "rb") as f:
-                return f.read()
+            # O_NONBLOCK: a FIFO in the file's place (a buggy tool, or whoever else can write
+            # .pitstop) must be refused at once, not block the manager or the CLI forever
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
-        except IsADirectoryError:
-            raise OSError(errno.EISDIR, f"{META_DIR}/{relpath} is a directory, not pitstop's "
-                          "file", os.path.join(self.location, META_DIR, relpath)) from None
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+                              f"{META_DIR}/{relpath} is {_kind(mode)}, not pitstop's file",
+                              path)
+            return f.read()
 
     # ------------------------------------------------------------------ lock
     def lock(self) -> Any:
