@@ -183,3 +183,54 @@ def test_a_planted_description_cannot_stop_an_unprivileged_jobs_saves(shared_bas
             assert os.lstat(name).st_uid == OTHER  # never removed
             os.unlink(name)
     assert out == {"steps": [1, 2]}, out
+
+
+def _unblock_fifo_after(path: str, seconds: float):
+    """A watchdog: should a reader block on the FIFO (the defect), a writer opening and
+    closing it every 0.2 s after ``seconds`` ends that read with EOF, so the test fails, never hangs."""
+    import threading
+
+    def poke() -> None:
+        if stop.wait(seconds):
+            return
+        while not stop.wait(0.2):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader: nothing blocks on it
+
+    stop = threading.Event()
+    t = threading.Thread(target=poke, daemon=True)
+    t.start()
+    return stop
+
+
+@pytest.mark.parametrize("name", ["index.json", "directory.json"])
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_fifo_in_place_of_a_meta_file_is_refused_not_hung_on(tmp_path, name, read_only,
+                                                                caplog):
+    """Whoever can write .pitstop (a group member with permissions=0o770, another user who
+    made the run directory, a buggy tool) put a FIFO at index.json or directory.json: the
+    manager (read-only or not) and ``pitstop ls`` blocked forever in open(). Now a read-only
+    manager reads the manifests instead and a writer refuses with a CheckpointError."""
+    run = tmp_path / "run"
+    with pitstop.CheckpointManager(run, save_on_signals=None, memory_tier=False) as mgr:
+        mgr.save(1, {"w": np.ones(3)}).wait()
+    path = str(run / ".pitstop" / name)
+    os.unlink(path)
+    os.mkfifo(path)
+    stop = _unblock_fifo_after(path, 3.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pitstop"):
+            if read_only:
+                with pitstop.CheckpointManager(run, read_only=True) as mgr:
+                    target = {"w": np.zeros(3)}
+                    assert mgr.restore(target) == 1
+                assert "is a FIFO" in caplog.text or name == "directory.json"
+            else:
+                with pytest.raises(pitstop.CheckpointError, match="is a FIFO"):
+                    pitstop.CheckpointManager(run, save_on_signals=None, memory_tier=False)
+            assert pitstop.cli.main(["ls", str(run)]) == 0
+    finally:
+        stop.set()
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
