@@ -327,6 +327,11 @@ class MemoryTier:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # (a directory made at one of the tier's names): cleanup of an optimisation
+                # must never fail the manager's open or close
+                log.warning("pitstop: cannot remove memory-tier file %s (%s); remove it by "
+                            "hand", path, e)
 
 
 _SLOT = re.compile(r"^-\d+\.json$")
