@@ -234,3 +234,25 @@ def test_a_fifo_in_place_of_a_meta_file_is_refused_not_hung_on(tmp_path, name, r
     finally:
         stop.set()
     assert stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@needs_shm
+def test_a_directory_at_a_tier_name_neither_fails_a_save_nor_the_managers_close(tmp_path,
+                                                                                caplog):
+    """A directory of this user's at the buffer's name: the save stepped aside, but
+    remove_all's unlink raised IsADirectoryError out of close() (and out of the next
+    manager's constructor, during recovery): a raw exception from cleanup of an
+    optimisation. Now a warning naming the file."""
+    mgr = pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None)
+    planted = mgr._engine.tier.prefix + "-0.buf"
+    os.mkdir(planted)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pitstop"), \
+                pytest.warns(UserWarning, match="in the way"):
+            mgr.save(1, {"w": np.ones(4)}).wait()
+            mgr.close()
+            with pitstop.CheckpointManager(tmp_path / "run", save_on_signals=None) as again:
+                assert again.all_steps() == [1]
+        assert f"cannot remove memory-tier file {planted}" in caplog.text
+    finally:
+        os.rmdir(planted)
