@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import re
+import reprlib
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -481,12 +482,18 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
     except OSError as e:
         raise CorruptCheckpointError(f"{source}: cannot read its .metadata ({e})",
                                      checkpoint=source) from e
-    planner_data = metadata.planner_data or {}
+    planner_data = _check_dcp_metadata(metadata, os.path.join(source, ".metadata"))
     target: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         where = tuple(planner_data.get(fqn, (fqn,)))
         if isinstance(md, TensorStorageMetadata):
-            _set_path(target, where, torch.empty(md.size, dtype=md.properties.dtype))
+            try:
+                empty = torch.empty(md.size, dtype=md.properties.dtype)
+            except (RuntimeError, MemoryError) as e:
+                raise CorruptCheckpointError(
+                    f"{source}: DCP entry {fqn!r} of shape {list(md.size)[:8]} cannot be "
+                    f"allocated ({_reason(e)})", checkpoint=source) from e
+            _set_path(target, where, empty)
         elif isinstance(md, BytesStorageMetadata):
             _set_path(target, where, None)  # filled by load_bytes
         else:
@@ -506,6 +513,74 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
                 f"{cause}); are all its .distcp files there and complete?",
                 checkpoint=source) from cause
     return target
+
+
+#: the most list elements the paths of a DCP ``.metadata``'s ``planner_data`` may make
+#: ``_set_path`` allocate (all lists together): a real state dict's lists (param_groups,
+#: per-layer lists) are far shorter; a hostile index of 10**11 must not allocate 800 GB
+MAX_DCP_LIST_ELEMENTS = 1 << 24
+
+
+def _check_dcp_metadata(md: Any, where: str) -> dict[str, tuple[Any, ...]]:
+    """Check what the restricted unpickler built before anything is allocated from it: the
+    classes allow any attribute values (a hostile or garbled file sets a size of 10**15, a
+    string for a shape, a list index of 10**11 in ``planner_data``). Returns the checked
+    ``planner_data``; raises :class:`CorruptCheckpointError` naming the entry."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ...core.manifest import MAX_BYTES, MAX_ELEMENTS, MAX_NDIM
+
+    def _short(x: Any) -> str:
+        return reprlib.repr(x)  # depth- and length-limited: a nested value never recurses
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: not DCP metadata pitstop can read: {what}",
+                                      checkpoint=where)
+
+    entries = getattr(md, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise bad(f"its state_dict_metadata is a {type(entries).__name__}, not a dict")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise bad(f"entry key {_short(fqn)} is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            continue  # (refused by name where it is used: an unknown kind)
+        props, size = getattr(entry, "properties", None), getattr(entry, "size", None)
+        if not isinstance(props, TensorProperties) or \
+                not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise bad(f"entry {_short(fqn)} has no tensor dtype")
+        if not isinstance(size, tuple) or len(size) > MAX_NDIM or \
+                not all(type(n) is int and 0 <= n <= MAX_ELEMENTS for n in size):
+            raise bad(f"entry {_short(fqn)} has shape {_short(size)}, not a list of sizes")
+        numel = 1
+        for n in size:
+            numel *= n
+        if numel > MAX_ELEMENTS or numel * props.dtype.itemsize > MAX_BYTES:
+            raise bad(f"entry {_short(fqn)} declares {numel} elements, more than any checkpoint")
+    planner = getattr(md, "planner_data", None) or {}
+    if not isinstance(planner, dict):
+        raise bad(f"its planner_data is a {type(planner).__name__}, not a dict")
+    out: dict[str, tuple[Any, ...]] = {}
+    longest: dict[tuple[Any, ...], int] = {}
+    for fqn, path in planner.items():
+        if not isinstance(path, (tuple, list)) or not path or not all(
+                type(k) is str or (type(k) is int and k >= 0) for k in path):
+            raise bad(f"planner_data of {_short(fqn)} is {_short(path)}, not a key "
+                      "path (strings and list indices)")
+        for i, k in enumerate(path):
+            if type(k) is int:
+                longest[tuple(path[:i])] = max(longest.get(tuple(path[:i]), 0), k + 1)
+        if sum(longest.values()) > MAX_DCP_LIST_ELEMENTS:
+            raise bad(f"planner_data of {_short(fqn)} makes lists longer than any state "
+                      f"dict holds (index {max(k for k in path if type(k) is int)})")
+        out[fqn] = tuple(path)
+    return out
 
 
 def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
