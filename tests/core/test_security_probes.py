@@ -17,7 +17,6 @@ import textwrap
 
 import numpy as np
 import pytest
-from test_memtier import SHM, tier_files
 from test_permissions import NOBODY, ROOT_ONLY, needs_shm
 
 import pitstop
