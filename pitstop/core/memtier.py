@@ -85,7 +85,7 @@ def create_owned(path: str, flags: int) -> int:
     (another user's file, a symlink) raises OSError and is left alone."""
     for _ in range(2):
         try:
-            return os.open(path, flags | CREATE_FLAGS, 0o600)
+            fd = os.open(path, flags | CREATE_FLAGS, 0o600)
         except FileExistsError:
             st = os.lstat(path)
             why = untrusted_file(st)
@@ -93,6 +93,9 @@ def create_owned(path: str, flags: int) -> int:
                 raise OSError(errno.EEXIST, f"memory-tier file {path} is in the way and not "
                               f"pitstop's to replace ({why})", path) from None
             os.unlink(path)
+            continue
+        os.fchmod(fd, 0o600)  # exactly: a umask of 0o277 would leave it 0o400 (unattachable)
+        return fd
     raise OSError(errno.EEXIST, f"memory-tier file {path} keeps coming back", path)
 
 

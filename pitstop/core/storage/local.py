@@ -64,10 +64,10 @@ def make_dirs(path: str, permissions: int | None) -> None:
 
 
 def _widen(fd: int, mode: int) -> None:
-    """Give a file just created with ``mode`` the bits the umask took off (only when the
-    user asked for more than owner access: the default 0o600 needs no call)."""
-    if mode & 0o077:
-        os.fchmod(fd, mode)
+    """Give a file just created with ``mode`` the bits the umask took off. Also for the
+    default 0o600: a umask with the owner's write bit (0o277) made it 0o400, and the next
+    manager could not open its own lock (EACCES)."""
+    os.fchmod(fd, mode)
 
 #: how a manifest is opened to hold (or test) its read lease: never blocking on a FIFO put
 #: in its place (the reader then refuses it as not a regular file)
