@@ -17,7 +17,8 @@ import textwrap
 
 import numpy as np
 import pytest
-from test_permissions import NOBODY, ROOT_ONLY, needs_shm
+from test_memtier import tier_files
+from test_permissions import NOBODY, ROOT_ONLY, assert_modes, needs_shm
 
 import pitstop
 import pitstop.cli
@@ -284,3 +285,26 @@ def test_a_checkpoint_another_user_planted_in_a_world_writable_run_directory_is_
             target = {"w": np.zeros(3)}
             restored = mgr.restore(target)
     assert restored == 1 or "writable by" in caplog.text or "uid 65533" in caplog.text
+
+
+@pytest.fixture
+def umask_set():
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0o277, 0o200])
+def test_a_umask_without_the_owners_write_bit_still_gives_exact_modes(tmp_path, umask_set,
+                                                                      mask):
+    """docs/security.md: files are 0o600 'exactly, whatever the umask'. The owner-only
+    default skipped the fchmod, so a umask of 0o277 left every file 0o400 (the tier's too):
+    an unprivileged job could not open its own directory again (the lock, O_RDWR: EACCES)
+    nor attach its own tier buffer."""
+    umask_set(mask)
+    run = tmp_path / "run"
+    with pitstop.CheckpointManager(run, save_on_signals=None) as mgr:
+        mgr.save(1, {"w": np.ones(3)}).wait()
+        tier = {f: stat.S_IMODE(os.lstat(f).st_mode) for f in tier_files(mgr.directory_id)}
+    assert_modes(run, 0o700, 0o600)
+    assert set(tier.values()) <= {0o600}, tier
