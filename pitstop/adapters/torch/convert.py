@@ -348,7 +348,8 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
             "(model.state_dict(), optimizer.state_dict(), numbers) and import that file.") from e
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(f"{source}: no such file to import") from e
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a garbled or crafted file raises anything
+        # (an allowed global called with odd arguments: OrderedDict(5) is a TypeError)
         raise CorruptCheckpointError(
             f"{source}: torch.load cannot read this file ({_reason(e)}); is it a complete "
             "torch.save file?", checkpoint=source) from e
