@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
 )
 
 import pitstop  # noqa: E402
-from pitstop.adapters.torch.convert import import_dcp  # noqa: E402
+from pitstop.adapters.torch.convert import import_dcp, import_torch_save  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,38 @@ def test_a_dcp_metadata_nested_300000_deep_is_a_clear_error(tmp_path, dcp_source
 def test_the_unedited_source_still_imports(tmp_path, dcp_source):
     src, _raw = dcp_source
     assert import_dcp(src, tmp_path / "out", 1) == 1
+
+
+class _Reduce:
+    """Pickles as ``fn(*args)``: only globals weights_only allows, with odd arguments."""
+
+    def __init__(self, fn, args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+@pytest.mark.parametrize("how", ["OrderedDict(5)", "rebuild with a str offset",
+                                 "rebuild past its storage", "rebuild at offset -3"])
+def test_allowed_globals_with_odd_arguments_in_a_torch_save_file_are_a_clear_error(
+        tmp_path, how):
+    """torch.load(weights_only=True) lets these globals through; called with odd arguments
+    they raised a raw TypeError out of import_torch_save."""
+    import collections
+
+    rebuild = torch._utils._rebuild_tensor_v2
+    storage = torch.arange(4.0).untyped_storage()
+    obj = {
+        "OrderedDict(5)": _Reduce(collections.OrderedDict, (5,)),
+        "rebuild with a str offset": {"w": _Reduce(rebuild, (
+            storage, "x", (4,), (1,), False, collections.OrderedDict()))},
+        "rebuild past its storage": {"w": _Reduce(rebuild, (
+            storage, 0, (10**12,), (1,), False, collections.OrderedDict()))},
+        "rebuild at offset -3": {"w": _Reduce(rebuild, (
+            storage, -3, (4,), (1,), False, collections.OrderedDict()))},
+    }[how]
+    path = tmp_path / "f.pt"
+    torch.save(obj, path)
+    with pytest.raises(pitstop.CorruptCheckpointError, match="f.pt: torch.load cannot read"):
+        import_torch_save(path, tmp_path / "out", 1)
