@@ -29,6 +29,7 @@ import os
 import pickle
 import re
 import reprlib
+import stat
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -564,6 +565,32 @@ def _check_dcp_metadata(md: Any, where: str) -> dict[str, tuple[Any, ...]]:
             numel *= n
         if numel > MAX_ELEMENTS or numel * props.dtype.itemsize > MAX_BYTES:
             raise bad(f"entry {_short(fqn)} declares {numel} elements, more than any checkpoint")
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise bad(f"its storage_data is a {type(storage).__name__}, not a dict")
+    checked: set[str] = set()
+    for index, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or os.path.isabs(rel) or \
+                ".." in rel.replace("\\", "/").split("/"):
+            # DCP joins it to the checkpoint's directory: an absolute path or a '..' would
+            # import data from any file the importing user can read (another checkpoint of
+            # theirs), or read /dev/zero for as long as the entry's length says
+            raise bad(f"entry {_short(getattr(index, 'fqn', index))} is stored in "
+                      f"{_short(rel)}, not a file inside the checkpoint's directory")
+        if not all(type(getattr(info, a, None)) is int and getattr(info, a) >= 0
+                   for a in ("offset", "length")):
+            raise bad(f"entry {_short(getattr(index, 'fqn', index))} has no byte range in "
+                      f"{_short(rel)}")
+        if rel not in checked:
+            target = os.path.join(os.path.dirname(where), rel)
+            try:
+                regular = stat.S_ISREG(os.stat(target).st_mode)
+            except OSError:
+                regular = True  # missing: DCP says so, as for any incomplete checkpoint
+            if not regular:  # a FIFO would block the import forever, a device never end
+                raise bad(f"{_short(rel)} is not a regular file")
+            checked.add(rel)
     planner = getattr(md, "planner_data", None) or {}
     if not isinstance(planner, dict):
         raise bad(f"its planner_data is a {type(planner).__name__}, not a dict")
