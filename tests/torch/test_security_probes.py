@@ -6,6 +6,7 @@ DCP's own classes, but with absurd contents (a size of 10**15, a shape that is a
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -140,3 +141,34 @@ def test_allowed_globals_with_odd_arguments_in_a_torch_save_file_are_a_clear_err
     torch.save(obj, path)
     with pytest.raises(pitstop.CorruptCheckpointError, match="f.pt: torch.load cannot read"):
         import_torch_save(path, tmp_path / "out", 1)
+
+
+@pytest.mark.parametrize("how", ["absolute path", "dot-dot path", "/dev/zero", "a FIFO"])
+def test_dcp_storage_paths_outside_the_checkpoint_or_not_files_are_refused(
+        tmp_path, dcp_source, how):
+    """A ``_StorageInfo.relative_path`` is joined to the DCP directory by DCP: an absolute
+    path or '..' imported another checkpoint of the importing user's (any file they can
+    read) as if it were this one's data; /dev/zero was read for as long as the entry's
+    length said (gigabytes); a FIFO would block the import forever."""
+    src, raw = dcp_source
+    other = tmp_path / "other"  # the victim's own private checkpoint elsewhere
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.full((4,), 666.0), "n": 3}, checkpoint_id=other)
+    bad = tmp_path / "dcp"
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    md = pickle.loads(raw)
+    rel = {"absolute path": str(other / "__0_0.distcp"), "dot-dot path": "../other/__0_0.distcp",
+           "/dev/zero": "/dev/zero", "a FIFO": "fifo"}[how]
+    if how == "a FIFO":
+        os.mkfifo(bad / "fifo")
+    for info in md.storage_data.values():
+        info.relative_path = rel
+        if how == "/dev/zero":
+            info.length = 1 << 40
+    (bad / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(pitstop.CorruptCheckpointError, match=r"\.metadata: not DCP metadata"):
+        import_dcp(bad, tmp_path / "out", 1)
+    assert not (tmp_path / "out" / "step_0000000001").exists()
