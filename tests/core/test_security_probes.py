@@ -308,3 +308,62 @@ def test_a_umask_without_the_owners_write_bit_still_gives_exact_modes(tmp_path, 
         tier = {f: stat.S_IMODE(os.lstat(f).st_mode) for f in tier_files(mgr.directory_id)}
     assert_modes(run, 0o700, 0o600)
     assert set(tier.values()) <= {0o600}, tier
+
+
+# ------------------------------------------------------------------ held: kept as guards
+def test_gc_never_deletes_through_symlinks_planted_as_leftovers(tmp_path):
+    """Leftover names (``.tmp-<step>-<token>`` and ``.pitstop/<file>.tmp-<token>``) as
+    symlinks to a victim's directory and file, and a real leftover holding symlinks out:
+    gc removes the real leftover only, never what a link points to."""
+    run = tmp_path / "run"
+    with pitstop.CheckpointManager(run, save_on_signals=None, memory_tier=False) as mgr:
+        mgr.save(1, {"w": np.ones(3)}).wait()
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    (victim_dir / "precious").write_text("x")
+    victim_file = tmp_path / "victim.txt"
+    victim_file.write_text("x")
+    os.symlink(victim_dir, run / ".tmp-step_0000000009-deadbeef")
+    os.symlink(victim_file, run / ".pitstop" / "index.json.tmp-deadbeef")
+    real = run / ".tmp-step_0000000008-cafebabe"
+    real.mkdir()
+    os.symlink(victim_dir, real / "link")
+    os.symlink(victim_file, real / "flink")
+    assert pitstop.cli.main(["gc", str(run)]) == 0
+    assert not real.exists()
+    assert (victim_dir / "precious").read_text() == "x" and victim_file.read_text() == "x"
+
+
+_GROUP_READER = """
+    import io, contextlib
+    import numpy as np, pitstop, pitstop.cli
+    run = sys.argv[1]
+    out = {}
+    with pitstop.CheckpointManager(run, read_only=True) as mgr:
+        target = {"w": np.zeros(4)}
+        out["restored"] = mgr.restore(target)
+        out["w"] = target["w"].tolist()
+    with contextlib.redirect_stdout(io.StringIO()):
+        out["verify"] = pitstop.cli.main(["verify", run])
+    try:
+        pitstop.CheckpointManager(run, save_on_signals=None)
+    except pitstop.CheckpointError as e:
+        out["writer"] = type(e).__name__
+    print(json.dumps(out))
+"""
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("mask", [0o077, 0o022])
+def test_a_group_member_can_restore_and_verify_with_permissions_0o750(shared_base,
+                                                                       umask_set, mask):
+    """permissions=0o750 under any umask: a member of the owner's group (a real process,
+    uid 65534 with the group) restores and verifies read-only; a writer is refused."""
+    umask_set(mask)
+    run = os.path.join(shared_base, "run")
+    with pitstop.CheckpointManager(run, save_on_signals=None, permissions=0o750) as mgr:
+        mgr.save(1, {"w": np.arange(4.0)}).wait()
+    assert_modes(run, 0o750, 0o640)
+    out = run_as_nobody(_GROUP_READER, run, groups=(os.getgid(),))
+    assert out == {"restored": 1, "w": [0.0, 1.0, 2.0, 3.0], "verify": 0,
+                   "writer": "CheckpointError"}, out
