@@ -467,7 +467,12 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
-            with open(path, "rb") as f:
+            # O_NONBLOCK: a FIFO in its place is refused at once, never blocks the import
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC),
+                           "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise CorruptCheckpointError(f"{path}: not a regular file",
+                                                 checkpoint=path)
                 md = read_dcp_metadata(f.read(), path)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
