@@ -172,3 +172,15 @@ def test_dcp_storage_paths_outside_the_checkpoint_or_not_files_are_refused(
     with pytest.raises(pitstop.CorruptCheckpointError, match=r"\.metadata: not DCP metadata"):
         import_dcp(bad, tmp_path / "out", 1)
     assert not (tmp_path / "out" / "step_0000000001").exists()
+
+
+def test_a_fifo_as_the_dcp_metadata_is_refused_not_hung_on(tmp_path, dcp_source):
+    src, _raw = dcp_source
+    bad = tmp_path / "dcp"
+    bad.mkdir()
+    for f in src.iterdir():
+        if f.name != ".metadata":
+            (bad / f.name).write_bytes(f.read_bytes())
+    os.mkfifo(bad / ".metadata")
+    with pytest.raises(pitstop.CorruptCheckpointError, match="not a regular file"):
+        import_dcp(bad, tmp_path / "out", 1)
