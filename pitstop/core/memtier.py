@@ -86,7 +86,7 @@ def create_owned(path: str, flags: int) -> int:
     (another user's file, a symlink) raises OSError and is left alone."""
     for _ in range(2):
         try:
-            return os.open(path, flags | CREATE_FLAGS, 0o600)
+            fd = os.open(path, flags | CREATE_FLAGS, 0o600)
         except FileExistsError:
             st = os.lstat(path)
             why = untrusted_file(st)
@@ -94,6 +94,9 @@ def create_owned(path: str, flags: int) -> int:
                 raise OSError(errno.EEXIST, f"memory-tier file {path} is in the way and not "
                               f"pitstop's to replace ({why})", path) from None
             os.unlink(path)
+            continue
+        os.fchmod(fd, 0o600)  # exactly: a umask of 0o277 would leave it 0o400 (unattachable)
+        return fd
     raise OSError(errno.EEXIST, f"memory-tier file {path} keeps coming back", path)
 
 
@@ -177,9 +180,16 @@ class MemoryTier:
         return buf.shm_path[: -len(".buf")] + ".json"
 
     def invalidate(self, buf: StagingBuffer) -> None:
-        """Called before a snapshot overwrites ``buf``."""
+        """Called before a snapshot overwrites ``buf``. Another user's file at the
+        description's name (planted: the names are listed in /dev/shm) is left alone, never
+        removed, and does not fail the save: in a sticky /dev/shm its unlink would raise
+        EPERM, and as root it would remove another user's file (the description is then
+        not written: :meth:`_write_text` refuses to replace it)."""
+        path = self.meta_path(buf)
+        if not self._own(path):
+            return  # gone (nothing to do), or another user's (warned once by _own)
         try:
-            os.unlink(self.meta_path(buf))
+            os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -226,9 +236,17 @@ class MemoryTier:
 
     def _write_text(self, path: str, text: str) -> None:
         tmp = path + ".tmp"
+        if os.path.lexists(path) and not self._own(path):
+            # another user's file in the way: never replaced (as root rename would)
+            raise OSError(errno.EEXIST, f"memory-tier file {path} is in the way and not "
+                          "pitstop's to replace (another user's)", path)
         with os.fdopen(create_owned(tmp, os.O_WRONLY), "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            os.unlink(tmp)  # (ours: made just now) e.g. EPERM from a sticky /dev/shm
+            raise
 
     # ------------------------------------------------------------------ recovery
     def candidates(self) -> list[tuple[dict[str, Any], str]]:

@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import time
 import zipfile
@@ -147,7 +148,9 @@ def _write_tmp(snap: Snapshot, tmp: str) -> None:
         _replay(snap, _lib.H5IOStore(tmp, mode="w"))
         return
     try:
-        with open(tmp, "wb") as f, zipfile.ZipFile(f, "w") as zf:
+        # (made just now by _create_tmp: reopened without following a symlink)
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w") as zf:
             with zf.open(_lib._METADATA_FILENAME, "w") as m:
                 m.write(snap.metadata_json.encode())
             with zf.open(_lib._CONFIG_FILENAME, "w") as c:
@@ -159,9 +162,21 @@ def _write_tmp(snap: Snapshot, tmp: str) -> None:
 
 
 def _tmp_name(filepath: str) -> str:
+    """A temporary beside ``filepath`` whose name nobody can predict: the folder may be
+    shared (/tmp), and a symlink another user planted at a name made of the pid and a
+    counter had the write go through it into a file of the victim's. Digits only after
+    the pid (remove_stale_temporaries parses the name); the counter keeps names unique."""
     d, base = os.path.split(filepath)
     ext = ".weights.h5" if base.endswith(".weights.h5") else os.path.splitext(base)[1]
-    return os.path.join(d, f".{base}.{os.getpid()}-{next(_tmp_ids)}.pitstop-tmp{ext}")
+    token = f"{next(_tmp_ids)}{secrets.randbelow(10**12):012d}"
+    return os.path.join(d, f".{base}.{os.getpid()}-{token}.pitstop-tmp{ext}")
+
+
+def _create_tmp(path: str) -> None:
+    """Create ``path`` new (never an existing file, never through a symlink): Keras then
+    writes into this user's own file (the umask decides its mode, as for Keras's save)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o666))
 
 
 _TMP = re.compile(r"^\..+\.(\d+)-\d+\.pitstop-tmp")
@@ -229,7 +244,10 @@ def write(snap: Snapshot, filepath: str, info: dict[str, Any] | None = None) -> 
     os.makedirs(d, exist_ok=True)
     tmp = _tmp_name(filepath)
     record = filepath + RECORD_SUFFIX
+    created = False
     try:
+        _create_tmp(tmp)
+        created = True
         _write_tmp(snap, tmp)
         size, digest = _hash_file(tmp)
         _fsync_file(tmp)
@@ -237,14 +255,15 @@ def write(snap: Snapshot, filepath: str, info: dict[str, Any] | None = None) -> 
             os.unlink(record)
         os.replace(tmp, filepath)
     except BaseException:
-        if os.path.lexists(tmp):
+        if created and os.path.lexists(tmp):  # (only ours: never a file in the way)
             os.unlink(tmp)
         raise
     body = {"format": _RECORD_FORMAT, "version": 1, "file": os.path.basename(filepath),
             "bytes": size, "hash": {"algorithm": DEFAULT, "digest": digest},
             "created_unix": time.time(), **(info or {})}
     rtmp = _tmp_name(record)
-    with open(rtmp, "w") as f:
+    with os.fdopen(os.open(rtmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                           | os.O_CLOEXEC, 0o666), "w") as f:
         json.dump(body, f, indent=1, default=float)
         f.flush()
         os.fsync(f.fileno())

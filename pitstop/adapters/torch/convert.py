@@ -28,6 +28,8 @@ import logging
 import os
 import pickle
 import re
+import reprlib
+import stat
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -352,7 +354,8 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
             "(model.state_dict(), optimizer.state_dict(), numbers) and import that file.") from e
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(f"{source}: no such file to import") from e
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a garbled or crafted file raises anything
+        # (an allowed global called with odd arguments: OrderedDict(5) is a TypeError)
         raise CorruptCheckpointError(
             f"{source}: torch.load cannot read this file ({_reason(e)}); is it a complete "
             "torch.save file?", checkpoint=source) from e
@@ -469,7 +472,12 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
-            with open(path, "rb") as f:
+            # O_NONBLOCK: a FIFO in its place is refused at once, never blocks the import
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC),
+                           "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise CorruptCheckpointError(f"{path}: not a regular file",
+                                                 checkpoint=path)
                 md = read_dcp_metadata(f.read(), path)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
@@ -486,12 +494,18 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
     except OSError as e:
         raise CorruptCheckpointError(f"{source}: cannot read its .metadata ({e})",
                                      checkpoint=source) from e
-    planner_data = metadata.planner_data or {}
+    planner_data = _check_dcp_metadata(metadata, os.path.join(source, ".metadata"))
     target: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         where = tuple(planner_data.get(fqn, (fqn,)))
         if isinstance(md, TensorStorageMetadata):
-            _set_path(target, where, torch.empty(md.size, dtype=md.properties.dtype))
+            try:
+                empty = torch.empty(md.size, dtype=md.properties.dtype)
+            except (RuntimeError, MemoryError) as e:
+                raise CorruptCheckpointError(
+                    f"{source}: DCP entry {fqn!r} of shape {list(md.size)[:8]} cannot be "
+                    f"allocated ({_reason(e)})", checkpoint=source) from e
+            _set_path(target, where, empty)
         elif isinstance(md, BytesStorageMetadata):
             _set_path(target, where, None)  # filled by load_bytes
         else:
@@ -511,6 +525,100 @@ def _load_dcp(dcp_dir: PathLike) -> dict[str, Any]:
                 f"{cause}); are all its .distcp files there and complete?",
                 checkpoint=source) from cause
     return target
+
+
+#: the most list elements the paths of a DCP ``.metadata``'s ``planner_data`` may make
+#: ``_set_path`` allocate (all lists together): a real state dict's lists (param_groups,
+#: per-layer lists) are far shorter; a hostile index of 10**11 must not allocate 800 GB
+MAX_DCP_LIST_ELEMENTS = 1 << 24
+
+
+def _check_dcp_metadata(md: Any, where: str) -> dict[str, tuple[Any, ...]]:
+    """Check what the restricted unpickler built before anything is allocated from it: the
+    classes allow any attribute values (a hostile or garbled file sets a size of 10**15, a
+    string for a shape, a list index of 10**11 in ``planner_data``). Returns the checked
+    ``planner_data``; raises :class:`CorruptCheckpointError` naming the entry."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ...core.manifest import MAX_BYTES, MAX_ELEMENTS, MAX_NDIM
+
+    def _short(x: Any) -> str:
+        return reprlib.repr(x)  # depth- and length-limited: a nested value never recurses
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: not DCP metadata pitstop can read: {what}",
+                                      checkpoint=where)
+
+    entries = getattr(md, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise bad(f"its state_dict_metadata is a {type(entries).__name__}, not a dict")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise bad(f"entry key {_short(fqn)} is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            continue  # (refused by name where it is used: an unknown kind)
+        props, size = getattr(entry, "properties", None), getattr(entry, "size", None)
+        if not isinstance(props, TensorProperties) or \
+                not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise bad(f"entry {_short(fqn)} has no tensor dtype")
+        if not isinstance(size, tuple) or len(size) > MAX_NDIM or \
+                not all(type(n) is int and 0 <= n <= MAX_ELEMENTS for n in size):
+            raise bad(f"entry {_short(fqn)} has shape {_short(size)}, not a list of sizes")
+        numel = 1
+        for n in size:
+            numel *= n
+        if numel > MAX_ELEMENTS or numel * props.dtype.itemsize > MAX_BYTES:
+            raise bad(f"entry {_short(fqn)} declares {numel} elements, more than any checkpoint")
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise bad(f"its storage_data is a {type(storage).__name__}, not a dict")
+    checked: set[str] = set()
+    for index, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or os.path.isabs(rel) or \
+                ".." in rel.replace("\\", "/").split("/"):
+            # DCP joins it to the checkpoint's directory: an absolute path or a '..' would
+            # import data from any file the importing user can read (another checkpoint of
+            # theirs), or read /dev/zero for as long as the entry's length says
+            raise bad(f"entry {_short(getattr(index, 'fqn', index))} is stored in "
+                      f"{_short(rel)}, not a file inside the checkpoint's directory")
+        if not all(type(getattr(info, a, None)) is int and getattr(info, a) >= 0
+                   for a in ("offset", "length")):
+            raise bad(f"entry {_short(getattr(index, 'fqn', index))} has no byte range in "
+                      f"{_short(rel)}")
+        if rel not in checked:
+            target = os.path.join(os.path.dirname(where), rel)
+            try:
+                regular = stat.S_ISREG(os.stat(target).st_mode)
+            except OSError:
+                regular = True  # missing: DCP says so, as for any incomplete checkpoint
+            if not regular:  # a FIFO would block the import forever, a device never end
+                raise bad(f"{_short(rel)} is not a regular file")
+            checked.add(rel)
+    planner = getattr(md, "planner_data", None) or {}
+    if not isinstance(planner, dict):
+        raise bad(f"its planner_data is a {type(planner).__name__}, not a dict")
+    out: dict[str, tuple[Any, ...]] = {}
+    longest: dict[tuple[Any, ...], int] = {}
+    for fqn, path in planner.items():
+        if not isinstance(path, (tuple, list)) or not path or not all(
+                type(k) is str or (type(k) is int and k >= 0) for k in path):
+            raise bad(f"planner_data of {_short(fqn)} is {_short(path)}, not a key "
+                      "path (strings and list indices)")
+        for i, k in enumerate(path):
+            if type(k) is int:
+                longest[tuple(path[:i])] = max(longest.get(tuple(path[:i]), 0), k + 1)
+        if sum(longest.values()) > MAX_DCP_LIST_ELEMENTS:
+            raise bad(f"planner_data of {_short(fqn)} makes lists longer than any state "
+                      f"dict holds (index {max(k for k in path if type(k) is int)})")
+        out[fqn] = tuple(path)
+    return out
 
 
 def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:

@@ -64,10 +64,10 @@ def make_dirs(path: str, permissions: int | None) -> None:
 
 
 def _widen(fd: int, mode: int) -> None:
-    """Give a file just created with ``mode`` the bits the umask took off (only when the
-    user asked for more than owner access: the default 0o600 needs no call)."""
-    if mode & 0o077:
-        os.fchmod(fd, mode)
+    """Give a file just created with ``mode`` the bits the umask took off. Also for the
+    default 0o600: a umask with the owner's write bit (0o277) made it 0o400, and the next
+    manager could not open its own lock (EACCES)."""
+    os.fchmod(fd, mode)
 
 #: how a manifest is opened to hold (or test) its read lease: never blocking on a FIFO put
 #: in its place (the reader then refuses it as not a regular file)
@@ -436,26 +436,48 @@ class LocalStorage(Storage):
         return st.st_size
 
     def read_meta(self, relpath: str) -> bytes | None:
+        path = os.path.join(self.location, META_DIR, relpath)
         try:
-            with open(os.path.join(self.location, META_DIR, relpath), "rb") as f:
-                return f.read()
+            # O_NONBLOCK: a FIFO in the file's place (a buggy tool, or whoever else can write
+            # .pitstop) must be refused at once, not block the manager or the CLI forever
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
-        except IsADirectoryError:
-            raise OSError(errno.EISDIR, f"{META_DIR}/{relpath} is a directory, not pitstop's "
-                          "file", os.path.join(self.location, META_DIR, relpath)) from None
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+                              f"{META_DIR}/{relpath} is {_kind(mode)}, not pitstop's file",
+                              path)
+            return f.read()
 
     # ------------------------------------------------------------------ lock
     def lock(self) -> Any:
         """Take the directory's writer lock (flock: released by the kernel if the holder dies)."""
         path = os.path.join(self.location, META_DIR, "lock")
+        # O_NOFOLLOW: the lock is truncated and written below, so a symlink planted in its
+        # place (by whoever can write .pitstop, e.g. another user who made the run
+        # directory in /tmp) must never lead that write to a file of the victim's
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         self.file_mode)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, self.file_mode)
             if self.permissions is not None:
                 _widen(fd, self.file_mode)  # new: the mode asked for, exactly
         except FileExistsError:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                             | os.O_NONBLOCK, self.file_mode)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise OSError(errno.ELOOP, f"the lock file {path} is a symlink, not "
+                              "pitstop's; remove it (pitstop never writes through it)",
+                              path) from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"the lock file {path} is {_kind(mode)}, not "
+                          "pitstop's; remove it", path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
