@@ -204,25 +204,6 @@ def test_cli_with_a_key_file_newline_wrong_key_and_no_key(tmp_path):
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad
 
 
-def test_import_orbax_with_encryption_into_an_encrypted_directory(tmp_path):
-    """Before the fix: import_orbax(..., encryption=key) was refused with "is encrypted; set
-    PITSTOP_ENCRYPTION_KEY" since its check for existing steps opened the directory without
-    the key it was given."""
-    ocp = pytest.importorskip("orbax.checkpoint")
-    from pitstop.adapters.jax import import_orbax
-    d, o = tmp_path / "secret", tmp_path / "orbax"
-    saved(d, steps=(1,))
-    om = ocp.CheckpointManager(o)
-    om.save(7, args=ocp.args.StandardSave({"w": np.arange(3.0)}))
-    om.wait_until_finished()
-    om.close()
-    assert import_orbax(o, d, encryption=pitstop.Encryption(lambda: KEY)) == [7]
-    with mgr(d, read_only=True) as m:
-        assert m.all_steps() == [1, 7] and m.load(7)["w"].tolist() == [0, 1, 2]
-        assert m.metadata(7).step == 7
-    assert "encryption" in json.loads((step_dir(d, 7) / "manifest.json").read_bytes())
-
-
 def test_reader_with_a_key_on_a_plaintext_directory_says_so(tmp_path):
     """Before the fix: a read-only manager given a key on a plaintext directory refused each
     checkpoint as corrupt ("no valid checkpoint ... all 2 failed verification"); they are
