@@ -127,7 +127,8 @@ class MemoryTier:
 
     def read_description(self, path: str, quiet: bool = False) -> Any:
         """The JSON of the description at ``path``, or None when it is gone, unreadable, or
-        not trusted (:func:`untrusted_file`: warned once, naming the file and its owner);
+        not trusted (:func:`untrusted_file`: warned once, naming the file and its owner) or
+        not a JSON object;
         an unreadable one is warned about unless ``quiet``."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -146,7 +147,13 @@ class MemoryTier:
                 self._untrusted(path, st)
                 return None
             with os.fdopen(fd, "rb", closefd=False) as f:
-                return json.loads(f.read())
+                meta = json.loads(f.read())
+            if not isinstance(meta, dict):
+                if not quiet:
+                    log.warning("pitstop: ignoring memory-tier description %s: not an object",
+                                path)
+                return None
+            return meta
         except (OSError, ValueError, RecursionError) as e:
             if not quiet:
                 log.warning("pitstop: ignoring memory-tier description %s: unreadable (%s)",
@@ -259,11 +266,7 @@ class MemoryTier:
                 continue
             meta = self.read_description(meta_path)
             if meta is None:
-                continue  # gone, or unreadable or untrusted (read_description said so)
-            if not isinstance(meta, dict):
-                log.warning("pitstop: ignoring memory-tier description %s: not an object",
-                            meta_path)
-                continue
+                continue  # gone, unreadable, untrusted or not an object (said by the read)
             out.append((meta, meta_path[: -len(".json")] + ".buf"))
         out.sort(key=lambda mb: -_step_of(mb[0]))
         return out
