@@ -614,24 +614,3 @@ SCENARIOS: dict[str, Scenario] = {
     "reader_while_writer_saves": reader_while_writer_saves,
     "restore_while_same_step_in_flight": restore_while_same_step_in_flight,
 }
-
-
-def main() -> None:
-    """``python -m benchmarks.reliability.concurrency [--trials N] [--seed S]``: every scenario,
-    at its FULL_TRIALS unless ``--trials`` says otherwise."""
-    import argparse
-    import tempfile
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--trials", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(3), "little"))
-    ap.add_argument("scenarios", nargs="*", default=list(SCENARIOS))
-    args = ap.parse_args()
-    for name in args.scenarios:
-        with tempfile.TemporaryDirectory() as tmp:
-            r = SCENARIOS[name](args.trials or FULL_TRIALS[name], args.seed, Path(tmp))
-        print(r.line(), f"(seed {args.seed})", flush=True)
-        for line in r.details:
-            print("   ", line, flush=True)
-
-if __name__ == "__main__":
-    main()

@@ -12,6 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
+# the states, the manager and the raw/zstd templates of the named cases
+from test_bad_input import blank, open_mgr, state_of, templates  # noqa: F401,F811
+
 import pitstop
 from pitstop.core.manager import step_name
 from pitstop.core.manifest import seal
@@ -19,35 +22,8 @@ from pitstop.core.reader import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
 
 
-def state_of(step: int) -> dict:
-    return {"w": np.arange(1000, dtype="f4") * step,
-            "v": {"x": 1.5 * step, "b": b"hi", "t": (step, "s")}}
-
-
-def blank() -> dict:
-    return {"w": np.zeros(1000, "f4"), "v": {"x": 0.0, "b": b"", "t": (0, "")}}
-
-
-def open_mgr(d, **kw) -> pitstop.CheckpointManager:
-    kw.setdefault("memory_tier", False)
-    kw.setdefault("save_on_signals", None)
-    return pitstop.CheckpointManager(d, **kw)
-
-
-@pytest.fixture(scope="module")
-def templates(tmp_path_factory):
-    out = {}
-    for kind, kw in (("raw", {}), ("zstd", {"compression": "zstd"})):
-        d = tmp_path_factory.mktemp("tpl") / kind
-        with open_mgr(d, **kw) as mgr:
-            for s in (1, 2):
-                mgr.save(s, state_of(s)).result(timeout=60)
-        out[kind] = d
-    return out
-
-
 @pytest.fixture
-def run(templates, tmp_path):
+def run(templates, tmp_path):  # noqa: F811 (the fixture imported above)
     d = tmp_path / "run"
     shutil.copytree(templates["raw"], d)
     return d
