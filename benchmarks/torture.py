@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import logging
 import sys
 import tempfile
@@ -105,6 +106,8 @@ def run_all(names: list[str], found: dict[str, tuple[Any, int]], trials_arg: int
             seed: int, workdir_arg: str | None) -> list[tuple[Result, float]]:
     """Run each scenario, printing its line (and its failures) as it finishes."""
     results: list[tuple[Result, float]] = []
+    if workdir_arg is not None:
+        os.makedirs(workdir_arg, exist_ok=True)  # --workdir on a disk of the user's choosing
     with tempfile.TemporaryDirectory(prefix="pitstop-torture-", dir=workdir_arg) as tmp:
         for name in names:
             fn, full = found[name]
