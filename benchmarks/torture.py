@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import logging
+import os
 import sys
 import tempfile
 import time
