@@ -29,6 +29,16 @@ def trial_rng(seed: int, trial: int, salt: str = "") -> random.Random:
     return random.Random(f"{salt}:{seed}:{trial}")
 
 
+def counted_trial(res: Any, name: str, seed: int, t: int, fn: Any, *args: Any) -> None:
+    """Run one trial ``fn(*args)``, counted; anything it raises is a broken promise, counted
+    as a failure with the scenario, seed and trial."""
+    res.trials += 1
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - a broken promise, counted
+        res.fail(f"{name} seed {seed} trial {t}: {type(e).__name__}: {e}")
+
+
 def state_of(seed: int, step: int, n: int = 4096) -> dict[str, Any]:
     """The training state of ``step``: arrays and values that differ at every step and seed."""
     rng = np.random.default_rng([seed, step, n])

@@ -46,6 +46,7 @@ from ._faultkit import (
     ChildDied,
     check_all_exact,
     committed_on_disk,
+    counted_trial,
     diff,
     end,
     leftovers,
@@ -345,11 +346,8 @@ def two_writers(trials: int, seed: int, workdir: Path) -> Result:
     res = Result("two_writers")
     with quiet_pitstop():
         for t in range(trials):
-            res.trials += 1
-            try:
-                _two_writers_trial(res, seed, t, workdir / f"two_{t}")
-            except Exception as e:  # noqa: BLE001
-                res.fail(f"two_writers seed {seed} trial {t}: {type(e).__name__}: {e}")
+            counted_trial(res, "two_writers", seed, t, _two_writers_trial, res, seed, t,
+                          workdir / f"two_{t}")
     return res
 
 
@@ -449,12 +447,8 @@ def restore_while_same_step_in_flight(trials: int, seed: int, workdir: Path) -> 
     res = Result("restore_while_same_step_in_flight")
     with quiet_pitstop():
         for t in range(trials):
-            res.trials += 1
-            try:
-                _in_flight_trial(res, seed, t, workdir / f"flight_{t}")
-            except Exception as e:  # noqa: BLE001
-                res.fail(f"restore_while_same_step_in_flight seed {seed} trial {t}: "
-                         f"{type(e).__name__}: {e}")
+            counted_trial(res, "restore_while_same_step_in_flight", seed, t, _in_flight_trial,
+                          res, seed, t, workdir / f"flight_{t}")
     return res
 
 

@@ -51,6 +51,7 @@ from ._faultkit import (
     ChildDied,
     check_all_exact,
     committed_on_disk,
+    counted_trial,
     diff,
     end,
     leftovers,
@@ -187,11 +188,8 @@ def full_disk(trials: int, seed: int, workdir: Path) -> Result:
         return _fsize_fallback(res, trials, seed, workdir)
     with quiet_pitstop():
         for t in range(trials):
-            res.trials += 1
-            try:
-                _full_disk_trial(res, seed, t, workdir / f"full_disk_{t}")
-            except Exception as e:  # noqa: BLE001 - a broken promise, counted
-                res.fail(f"full_disk seed {seed} trial {t}: {type(e).__name__}: {e}")
+            counted_trial(res, "full_disk", seed, t, _full_disk_trial, res, seed, t,
+                          workdir / f"full_disk_{t}")
     res.bump("tmpfs_trials", trials)
     return res
 
@@ -416,12 +414,10 @@ def permission_denied(trials: int, seed: int, workdir: Path) -> Result:
 
 def _perm_trials(res: Result, ts: range, seed: int, base: Path, how: str) -> None:
     for t in ts:
-        res.trials += 1
         prot = _Protect(how)
         try:
-            _perm_trial(res, seed, t, base / f"t{t}", prot)
-        except Exception as e:  # noqa: BLE001
-            res.fail(f"permission_denied ({how}) seed {seed} trial {t}: {type(e).__name__}: {e}")
+            counted_trial(res, f"permission_denied ({how})", seed, t, _perm_trial, res, seed, t,
+                          base / f"t{t}", prot)
         finally:
             prot.off()
 
@@ -645,11 +641,7 @@ def io_error(trials: int, seed: int, workdir: Path) -> Result:
     res = Result("io_error")
     with quiet_pitstop():
         for t in range(trials):
-            res.trials += 1
-            try:
-                _io_trial(res, seed, t, workdir / f"io_{t}")
-            except Exception as e:  # noqa: BLE001
-                res.fail(f"io_error seed {seed} trial {t}: {type(e).__name__}: {e}")
+            counted_trial(res, "io_error", seed, t, _io_trial, res, seed, t, workdir / f"io_{t}")
     return res
 
 
@@ -785,11 +777,8 @@ def full_shm(trials: int, seed: int, workdir: Path) -> Result:
         return res
     with quiet_pitstop() as log:
         for t in range(trials):
-            res.trials += 1
-            try:
-                _shm_trial(res, seed, t, workdir / f"shm_{t}", log)
-            except Exception as e:  # noqa: BLE001
-                res.fail(f"full_shm seed {seed} trial {t}: {type(e).__name__}: {e}")
+            counted_trial(res, "full_shm", seed, t, _shm_trial, res, seed, t,
+                          workdir / f"shm_{t}", log)
     return res
 
 
