@@ -233,6 +233,8 @@ class PersistJob:
     nonfinite_metrics: bool = False
     #: this rank's snapshot failed (no buffer): its part of a multi-rank save only says so
     failed: str | None = None
+    #: seconds since the save before it was submitted (negative: the first of this engine)
+    gap_s: float = -1.0
 
 
 class Engine:
@@ -276,6 +278,12 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="pitstop-persist", daemon=True)
         self._closed = False
         self._tier_warned = False
+        #: read the newest checkpoint back into the page cache (see :meth:`warm_newest`)
+        self.warm_cache = True
+        #: the newest committed checkpoint not yet warmed (name, data files)
+        self._unwarmed: tuple[str, list[str]] | None = None
+        #: when the last save was submitted
+        self._last_submit = math.inf
         self._thread.start()
 
     # ------------------------------------------------------------------ caller's thread
@@ -373,6 +381,7 @@ class Engine:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; the save was not taken")
         job.t_start = time.perf_counter()
+        job.gap_s, self._last_submit = job.t_start - self._last_submit, job.t_start
         if self.tier is not None and job.buffer is not None and \
                 job.buffer.shm_path is not None and job.hashes is None:
             # the snapshot is complete in shared memory: describe it now, before save()
@@ -447,11 +456,28 @@ class Engine:
                 note(f"pitstop: the saves of step(s) {later} failed too (see the log)")
         raise first
 
+    def warm_newest(self) -> None:
+        """Ask the storage to read the newest committed checkpoint back into the page cache.
+
+        Data files are written with O_DIRECT (no CPU copy into the page cache while training
+        runs), so without this the commonest restart of all (Ctrl+C, fix, run again on the
+        same machine) would read from disk, where ``torch.load`` of a file written a minute
+        ago reads from memory. Best effort: the kernel reads in the background."""
+        newest, self._unwarmed = self._unwarmed, None
+        warm = getattr(self.storage, "warm_cache", None)
+        if newest is None or warm is None or not self.warm_cache:
+            return
+        try:
+            warm(*newest)
+        except Exception:  # noqa: BLE001 - an optimisation: never the save's error
+            log.debug("pitstop: page-cache warm-up of %s failed", newest[0], exc_info=True)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.drain()
+        self.warm_newest()
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join()
@@ -477,6 +503,7 @@ class Engine:
             name = self.name_of(job.step)
             error: BaseException | None = None
             manifest = None
+            t_job = job.t_start
             try:
                 if self.coordinator is not None:
                     manifest = self._persist_world(job, name, self.coordinator)
@@ -522,7 +549,14 @@ class Engine:
             # finish only once the buffer is free again: a caller woken by wait() must find
             # the engine idle (a periodic save right after it is never skipped as "busy")
             job.handle._finish(error)
+            gap_s = job.gap_s
             del job
+            if manifest is not None:
+                self._unwarmed = (name, list(manifest.files))
+                # saves far apart (the usual case): warm now. Saves back to back: the
+                # read-back would slow the next save's writes; close() warms the last one
+                if self._queue.empty() and gap_s > 4 * (time.perf_counter() - t_job):
+                    self.warm_newest()
 
     def _persist(self, job: PersistJob, name: str) -> Manifest:
         buf = job.buffer
@@ -534,9 +568,21 @@ class Engine:
         t0 = time.perf_counter()
         # 1. hash (and check finiteness) in parallel; byte-balanced groups become the data files
         groups = layout.groups()
-        hashes, finite = self._hash_and_seal(job)
-        if not finite:
-            raise _Skip("an array holds NaN or Inf (non-finite guard)")
+        # plain bytes without a memory-tier copy to seal first: each array is hashed while
+        # its group is written, chunk by chunk (the hashing runs at the pace of the disk, on
+        # the I/O threads, instead of as a burst before the writes start)
+        fused = self._fused(job)
+        if fused:
+            if job.check_finite and not buffer_is_finite(buf):
+                raise _Skip("an array holds NaN or Inf (non-finite guard)")
+            hashes: dict[str, str] = {}
+            hook = self.hooks.get("before_write")
+            if hook is not None:
+                hook(job.step)
+        else:
+            hashes, finite = self._hash_and_seal(job)
+            if not finite:
+                raise _Skip("an array holds NaN or Inf (non-finite guard)")
         t_hashed = time.perf_counter()
         # 3. write data files in parallel, then the manifest last, then publish atomically
         txn = self.storage.begin(name)
@@ -545,7 +591,8 @@ class Engine:
             record, cipher = self.encryption.new_save(self.directory_id, job.step) \
                 if self.encryption is not None else (None, None)
             results = self._map_all(
-                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes, cipher=cipher),
+                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes, cipher=cipher,
+                                             hash_while_writing=fused),
                 enumerate(groups))
             t_written = time.perf_counter()
             manifest = self._manifest(job, job.structure, job.values)
@@ -787,6 +834,14 @@ class Engine:
             values=values,
         )
 
+    def _fused(self, job: PersistJob) -> bool:
+        """Whether ``job`` hashes its arrays while writing them (see ``_persist``): plain
+        bytes, hashes not known yet, and no memory-tier copy, whose seal must be written
+        before the data files are (a crash while writing then finds it sealed)."""
+        buf = job.buffer
+        return (job.hashes is None and buf is not None and buf.shm_path is None
+                and self.compression in (None, "none") and self.encryption is None)
+
     def _hash_and_seal(self, job: PersistJob) -> tuple[dict[str, str], bool]:
         """Every array's hash (in parallel) and whether all are finite (when the guard is
         on); then the memory-tier copy is verifiable: it is sealed."""
@@ -877,12 +932,15 @@ class Engine:
                         "commit may lose that save", what, e)
 
     def _write_group(self, txn: Any, buf: StagingBuffer, index: int, group: list[int],
-                     hashes: dict[str, str], prefix: str = "", cipher: Any = None
+                     hashes: dict[str, str], prefix: str = "", cipher: Any = None,
+                     hash_while_writing: bool = False
                      ) -> tuple[str | None, int, dict[str, ArrayEntry]]:
         """Write the arrays ``group`` (indices into the layout, ascending) as one data file;
         a multi-rank save passes the part of a group this rank writes (``prefix``: its
         rank, so the ranks' file names never collide). ``cipher``: encrypt each array's
-        (compressed) bytes segment by segment (see :mod:`pitstop.core.crypto`)."""
+        (compressed) bytes segment by segment (see :mod:`pitstop.core.crypto`).
+        ``hash_while_writing``: plain bytes whose hashes are not in ``hashes`` yet: each
+        chunk is hashed just before it is written."""
         if not group:
             return None, 0, {}
         layout = buf.layout
@@ -904,8 +962,15 @@ class Engine:
                     if getattr(w, "direct", False):
                         end = min(-(-end // ALIGN) * ALIGN, buf.buf.size)
                     region = buf.buf[start:end]
+                    digests = _RunHasher(self.hash_algorithm, layout, run) \
+                        if hash_while_writing else None
                     for at in range(0, end - start, WRITE_CHUNK):
+                        if digests is not None:
+                            digests.update(start + at, start + at + WRITE_CHUNK, buf.buf)
                         w.write(region[at:at + WRITE_CHUNK])
+                    if digests is not None:
+                        digests.update(end, 1 << 62, buf.buf)  # arrays of no bytes at the end
+                        hashes = digests.done
                     for i in run:
                         k = layout.keys[i]
                         entries[k] = ArrayEntry(
@@ -954,6 +1019,37 @@ class Engine:
         finally:
             w.close()
         return fname, length, entries
+
+
+class _RunHasher:
+    """Hashes the arrays of a run (consecutive layout indices) as the byte ranges of the
+    staging buffer that hold them are fed in order; ``done`` maps each key to its digest."""
+
+    def __init__(self, algorithm: str, layout: Layout, run: list[int]) -> None:
+        self.algorithm = algorithm
+        self.layout = layout
+        self.run = run
+        self.next = 0  # position in run of the first array not finished
+        self.hasher: Any = None
+        self.done: dict[str, str] = {}
+
+    def update(self, lo: int, hi: int, data: np.ndarray) -> None:
+        """Feed the buffer's bytes ``[lo, hi)`` (each byte exactly once, in order)."""
+        layout, run = self.layout, self.run
+        while self.next < len(run):
+            i = run[self.next]
+            a, n = layout.offsets[i], layout.nbytes[i]
+            if a >= hi:
+                return
+            if self.hasher is None:
+                self.hasher = new_hasher(self.algorithm)
+            for at in range(max(a, lo), min(a + n, hi), HASH_CHUNK):
+                self.hasher.update(data[at:min(at + HASH_CHUNK, a + n, hi)])
+            if a + n > hi:
+                return  # the array goes on in the next chunk
+            self.done[layout.keys[i]] = str(self.hasher.hexdigest())
+            self.hasher = None
+            self.next += 1
 
 
 class _Skip(CheckpointError):

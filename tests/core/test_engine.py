@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -570,3 +571,70 @@ def test_parallel_snapshot_copy_is_exact_for_every_layout(tmp_path):
             "swapped": rng.standard_normal(n // 2)}
     for k, v in want.items():
         assert np.array_equal(out[k], v), k
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_hashes_taken_while_writing_match_whole_array_hashes(tmp_path, monkeypatch, tier):
+    """Without a memory-tier copy to seal first, each array is hashed chunk by chunk as its
+    data file is written: arrays across chunk boundaries, empty arrays (also last), many
+    arrays in one chunk. The manifest's hashes are those of the whole arrays either way."""
+    from pitstop.core import engine as engine_mod
+    from pitstop.core.engine import hash_chunks
+    monkeypatch.setattr(engine_mod, "WRITE_CHUNK", 8192)
+    monkeypatch.setattr(engine_mod, "HASH_CHUNK", 3000)
+    runs = []
+    monkeypatch.setattr(engine_mod, "_RunHasher", lambda *a, _c=engine_mod._RunHasher:
+                        runs.append(a) or _c(*a))
+    rng = np.random.default_rng(7)
+    state = {"a": rng.standard_normal(5000).astype(np.float32),  # 20000 B: 3 chunks
+             "e0": np.zeros(0, np.float32),
+             "small": [rng.integers(0, 9, 10 + i).astype(np.int16) for i in range(40)],
+             "b": rng.standard_normal((33, 77)),
+             "z": np.zeros((0, 4), np.float64)}
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=tier, writer_threads=2) as mgr:
+        mgr.save(1, state).wait()
+    doc = json.loads((tmp_path / "c" / step_name(1) / "manifest.json").read_text())
+    flat = {"a": state["a"], "e0": state["e0"], "b": state["b"], "z": state["z"]}
+    for i, v in enumerate(state["small"]):
+        flat[f"small/{i}"] = v
+    for key, arr in flat.items():
+        entry = next(e for k, e in doc["arrays"].items() if k.endswith(key))
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        assert entry["hash"] == hash_chunks(doc["hash_algorithm"], raw), key
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False) as mgr:
+        got = mgr.load()
+    assert bool(runs) is not tier  # hashed while writing exactly when there is no tier
+    np.testing.assert_array_equal(got["a"], state["a"])
+    np.testing.assert_array_equal(got["small"][39], state["small"][39])
+    assert got["z"].shape == (0, 4)
+
+
+def test_newest_checkpoint_is_read_back_into_the_page_cache(tmp_path, monkeypatch):
+    """Data files are written with O_DIRECT (not left in the page cache): the newest
+    checkpoint is read back in the background, at close and after a save far from the one
+    before it, never between saves that follow each other closely (it would slow them)."""
+    from pitstop.core.storage.local import LocalStorage
+    warmed: list[tuple[str, list[str]]] = []
+    original = LocalStorage.warm_cache
+
+    def spy(self, name, files):
+        warmed.append((name, sorted(files)))
+        original(self, name, files)  # the real advice runs too (no error on any file system)
+
+    monkeypatch.setattr(LocalStorage, "warm_cache", spy)
+    mgr = pitstop.CheckpointManager(tmp_path / "c", memory_tier=False)
+    eng = mgr._engine
+    for step in (1, 2, 3):
+        eng._last_submit = time.perf_counter()  # right after the one before
+        mgr.save(step, make_state(step)).wait()
+    eng._last_submit -= 3600.0  # the next save comes an hour after the last one
+    mgr.save(4, make_state(4)).wait()
+    files = sorted(f for f in os.listdir(tmp_path / "c" / step_name(4)) if f != "manifest.json")
+    deadline = time.monotonic() + 30
+    while not warmed and time.monotonic() < deadline:  # (after the handle is finished)
+        time.sleep(0.01)
+    assert warmed == [(step_name(4), files)]  # and none of 1-3
+    eng._last_submit = time.perf_counter()
+    mgr.save(5, make_state(5)).wait()
+    mgr.close()
+    assert [w[0] for w in warmed] == [step_name(4), step_name(5)]  # step 5 at close, once
