@@ -278,6 +278,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="pitstop-persist", daemon=True)
         self._closed = False
         self._tier_warned = False
+        #: the newest one-process checkpoint written plainly from a staging buffer: (name,
+        #: buffer, the buffer's generation then, {data file: (offset in buffer, length)})
+        self.staged: tuple[str, StagingBuffer, int, dict[str, tuple[int, int]]] | None = None
         #: read the newest checkpoint back into the page cache (see :meth:`warm_newest`)
         self.warm_cache = True
         #: the newest committed checkpoint not yet warmed (name, data files)
@@ -617,8 +620,24 @@ class Engine:
         hook = self.hooks.get("after_commit")
         if hook is not None:
             hook(job.step)
+        if self.compression in (None, "none") and self.encryption is None and \
+                job.release_buffer and not layout.sharded:
+            # each data file is a copy of one region of the staging buffer: until a save
+            # takes the buffer again, a restore of this step can read it from memory
+            self.staged = (name, buf, buf.generation, {
+                fname: (layout.offsets[g[0]], length)
+                for (fname, length, _e), g in zip(results, groups, strict=True) if fname})
         self._committed(job, txn.location, t0, t_hashed, t_write, t_written)
         return manifest
+
+    def hold_staged(self, name: str) -> tuple[StagingBuffer, dict[str, tuple[int, int]]] | None:
+        """The staging buffer that checkpoint ``name`` was written from, held for reading
+        (give it back with ``pool.release``), when no save has taken it since; else None.
+        Values: per data file, its offset in the buffer and its length."""
+        staged = self.staged
+        if staged is None or staged[0] != name or not self.pool.hold(staged[1], staged[2]):
+            return None
+        return staged[1], staged[3]
 
     def _persist_world(self, job: PersistJob, name: str, coord: Coordinator) -> Manifest:
         """One multi-rank save (see :mod:`pitstop.core.coordination`): three exchanges that

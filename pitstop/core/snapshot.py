@@ -147,6 +147,9 @@ class StagingBuffer:
         self.view_list = list(self.views.values())
         self.step: int | None = None
         self.busy = False
+        #: how many times the pool has handed this buffer out: a reader of its bytes checks
+        #: that no save has taken it since (see :meth:`StagingPool.hold`)
+        self.generation = 0
 
     @classmethod
     def attach(cls, layout: Layout, shm_path: str) -> StagingBuffer:
@@ -228,7 +231,19 @@ class StagingPool:
                     return None
                 self.cond.wait(0.1)  # in slices: lets the main thread run signal handlers
             buf.busy = True
+            buf.generation += 1
             return buf
+
+    def hold(self, buf: StagingBuffer, generation: int) -> bool:
+        """Mark ``buf`` busy for a reader when it still holds what it held at ``generation``
+        (no save has taken it since, and it was not dropped); give it back with
+        :meth:`release`."""
+        with self.cond:
+            if buf.busy or buf.generation != generation or \
+                    not any(b is buf for b in self.buffers):
+                return False
+            buf.busy = True
+            return True
 
     def _allocate(self, layout: Layout) -> StagingBuffer:
         used = {b.shm_path for b in self.buffers}

@@ -655,3 +655,50 @@ def test_string_digit_keys_go_back_under_the_int_keys_the_live_dict_has(tmp_path
         target = {"w": np.zeros(1), "sched": {"milestones": milestones}}
         assert mgr.restore(target) == 1
         assert dict(milestones) == {3: 1, 6: 1} and target["sched"]["milestones"] is milestones
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_restore_right_after_a_save_reads_the_staging_buffer(tmp_path, monkeypatch, caplog,
+                                                              tier):
+    """A restore of the step just committed reads its data from the staging buffer it was
+    written from (no disk read), verified against the committed manifest; damage there means
+    a read from disk, never a wrong restore; once a save took the buffer, disk again."""
+    from pitstop.core.storage.local import LocalStorage
+    opened: list[tuple[str, str]] = []
+    original = LocalStorage.open_reader
+
+    def spy(self, name, relpath):
+        opened.append((name, relpath))
+        return original(self, name, relpath)
+
+    monkeypatch.setattr(LocalStorage, "open_reader", spy)
+
+    def state(v):
+        return {"w": np.full(70_000, v, np.float32), "b": np.arange(10, dtype=np.int64) * int(v)}
+
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=tier) as mgr:
+        mgr.save(1, state(1.0)).wait()
+        target = state(0.0)
+        assert mgr.restore(target) == 1
+        np.testing.assert_array_equal(target["w"], 1.0)
+        assert opened == []  # nothing read from disk
+        # the buffer no longer holds what the manifest vouches for: disk, loudly
+        buf = mgr._engine.staged[1]
+        buf.buf[100] ^= 0xFF
+        caplog.set_level(logging.WARNING, logger="pitstop")
+        target = state(0.0)
+        assert mgr.restore(target) == 1
+        np.testing.assert_array_equal(target["w"], 1.0)
+        assert opened and "staging buffer" in caplog.text
+        assert mgr.all_steps() == [1]  # the checkpoint itself is fine: not moved aside
+        buf.buf[100] ^= 0xFF
+        # a newer save took the buffer: step 1 comes from disk, step 2 from the buffer
+        mgr.save(2, state(2.0)).wait()
+        opened.clear()
+        target = state(0.0)
+        assert mgr.restore(target) == 2
+        np.testing.assert_array_equal(target["w"], 2.0)
+        assert opened == []
+        assert mgr.restore(target, step=1) == 1
+        np.testing.assert_array_equal(target["b"], np.arange(10))
+        assert opened
