@@ -592,14 +592,15 @@ class Engine:
 
     # ------------------------------------------------------------------ incremental
     def _unchanged(self, step: int, layout: Layout, hashes: dict[str, str]
-                   ) -> dict[str, ArrayEntry]:
+                   ) -> dict[str, tuple[ArrayEntry, int]]:
         """The arrays whose raw bytes, dtype, shape and codec setting equal those of the same
         key in this engine's last commit, each with an entry referencing the checkpoint that
-        holds its bytes (never a chain: a referenced entry's own holder)."""
+        holds its bytes (never a chain: a referenced entry's own holder) and the length of
+        the holder's file."""
         prev = self._previous
         if prev is None or step <= prev.step or prev.compression != self.compression:
             return {}
-        out: dict[str, ArrayEntry] = {}
+        out: dict[str, tuple[ArrayEntry, int]] = {}
         for i, k in enumerate(layout.keys):
             held = prev.arrays.get(k)
             if held is None or not layout.nbytes[i] or hashes.get(k) != held[0]:
@@ -607,18 +608,18 @@ class Engine:
             entry = held[1]
             if entry.shape == list(layout.shapes[i]) and \
                     entry.dtype == encode_dtype(layout.dtypes[i]):
-                out[k] = entry
+                out[k] = entry, prev.files[(entry.ref or "", entry.file)]
         return out
 
-    def _reference(self, manifest: Manifest, same: dict[str, ArrayEntry],
+    @staticmethod
+    def _reference(manifest: Manifest, same: dict[str, tuple[ArrayEntry, int]],
                    stats: SaveStats) -> None:
-        """Put the referencing entries ``same`` into ``manifest``, with the files they read."""
-        prev = self._previous
-        assert prev is not None
-        manifest.arrays.update(same)
-        for e in same.values():
+        """Put the referencing entries ``same`` into ``manifest``, with the files they read
+        (each with its length)."""
+        for k, (e, length) in same.items():
             assert e.ref is not None
-            manifest.refs.setdefault(e.ref, {})[e.file] = prev.files[(e.ref, e.file)]
+            manifest.arrays[k] = e
+            manifest.refs.setdefault(e.ref, {})[e.file] = length
             stats.reused_bytes += e.length
 
     def _remember(self, name: str, step: int, layout: Layout, hashes: dict[str, str],

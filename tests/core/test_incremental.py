@@ -157,6 +157,25 @@ def test_keep_last_1_keeps_the_holder_while_referenced_then_deletes_it(tmp_path)
         same(t, state_of(5, frozen_seed=1))
 
 
+def test_a_referencing_checkpoint_retention_cannot_delete_keeps_what_it_references(tmp_path):
+    """Deletion goes newest first; one that stays (being read, a failed deletion) keeps the
+    checkpoint it references: no listed checkpoint ever loses its referenced bytes."""
+    d = tmp_path / "run"
+    with open_mgr(d) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state_of(s)).wait()
+    with open_mgr(d, keep_last=1) as mgr:
+        real = mgr.storage.delete_if_unread
+        mgr.storage.delete_if_unread = lambda name: False if name == step_name(3) else \
+            real(name)  # step 3 is being read
+        mgr.save(4, state_of(4, frozen_seed=1)).wait()
+        assert steps_on_disk(d) == [1, 3, 4]  # 2 went; 1 stays while 3 does
+        same(mgr.load(step=3), state_of(3))
+        mgr.storage.delete_if_unread = real
+        mgr.save(5, state_of(5, frozen_seed=1)).wait()
+        assert steps_on_disk(d) == [4, 5]
+
+
 def test_references_never_chain_when_arrays_change_at_different_times(tmp_path):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
