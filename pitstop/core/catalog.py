@@ -10,6 +10,7 @@ trouble there is a warning, and the next commit tries again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -207,7 +208,7 @@ def parse_index(raw: bytes, directory_id: str) -> dict[int, CheckpointInfo]:
         metrics = d.get("metrics") or {}
         if not isinstance(metrics, dict) or not all(_metric(v) for v in metrics.values()):
             raise TypeError(f"metrics of step {s} are not names of numbers, strings, bools")
-        flags = [d.get("ours", False), d.get("protected", False)]
+        flags = [d.get("ours", False), d.get("protected", False), d.get("held", False)]
         if not all(type(f) is bool for f in flags) or \
                 d.get("all_finite") not in (None, True, False):
             raise TypeError(f"flags of step {s} are not booleans")
@@ -215,9 +216,24 @@ def parse_index(raw: bytes, directory_id: str) -> dict[int, CheckpointInfo]:
         if refs is not None and not (isinstance(refs, list) and all(
                 type(r) is int and 0 <= r < int(s) for r in refs)):
             raise TypeError(f"refs of step {s} are not older steps")
+        # ("held": protected only for pitstop before format 4, which knows no references)
         known[int(s)] = CheckpointInfo(int(s), metrics, flags[0], d.get("all_finite"),
-                                       flags[1], None if refs is None else tuple(refs))
+                                       flags[1] and not flags[2],
+                                       None if refs is None else tuple(refs))
     return known
+
+
+def _index_entry(i: CheckpointInfo, held: bool) -> dict[str, Any]:
+    """One checkpoint's entry in index.json; ``held``: another one references its data."""
+    d: dict[str, Any] = {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
+                         "protected": i.protected}
+    if i.refs is not None:
+        d["refs"] = list(i.refs)
+    if held and not i.protected:
+        # marked protected for a pitstop from before references, whose retention would
+        # delete it; "held" says it is not protected otherwise
+        d["protected"] = d["held"] = True
+    return d
 
 
 def _metric(v: Any) -> bool:
@@ -290,7 +306,9 @@ class Catalog:
                                      encryption=self.encryption).manifest
             except CheckpointError as e:
                 log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
-                index[s] = CheckpointInfo(s, {}, ours=False)
+                # (an entry of an index from before references: kept as it was, with none)
+                index[s] = dataclasses.replace(known[s], refs=()) if s in known else \
+                    CheckpointInfo(s, {}, ours=False)
                 continue
             old = known.get(s)
             index[s] = CheckpointInfo(s, m.metrics, ours=m.directory_id == self.directory_id
@@ -303,11 +321,9 @@ class Catalog:
                 self._write_index()
 
     def _write_index(self) -> None:
+        held = {r for i in self.index.values() for r in (i.refs or ())}
         doc = {"directory_id": self.directory_id, "checkpoints": {
-            str(s): {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
-                     "protected": i.protected, **({} if i.refs is None else
-                                                  {"refs": list(i.refs)})}
-            for s, i in sorted(self.index.items())}}
+            str(s): _index_entry(i, s in held) for s, i in sorted(self.index.items())}}
         # derived from the manifests (rebuilt when stale), so it costs no fsync
         self.storage.write_meta(INDEX, json.dumps(doc, allow_nan=True).encode(), durable=False)
 

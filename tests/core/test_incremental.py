@@ -143,12 +143,18 @@ def test_keep_last_1_keeps_the_holder_while_referenced_then_deletes_it(tmp_path)
         assert mgr.all_steps() == [1, 3]
         index = json.loads((d / ".pitstop" / "index.json").read_text())["checkpoints"]
         assert index["3"]["refs"] == [1] and index["1"]["refs"] == []
+        # a pitstop from before references honours "protected" (and ignores "held"): its
+        # retention, were it to run here, would not delete the holder either
+        assert index["1"]["protected"] is True and index["1"]["held"] is True
+        assert index["3"]["protected"] is False and "held" not in index["3"]
         same(mgr.load(step=1), state_of(1))
         # the backbone changes (unfrozen): step 4 writes everything, references nothing, and
         # both older ones go, the referencing one (3) before the one it references (1)
         mgr.save(4, state_of(4, frozen_seed=1)).wait()
         assert "refs" not in manifest_of(d, 4)
         assert steps_on_disk(d) == [4] and deleted == [2, 3, 1]
+        index = json.loads((d / ".pitstop" / "index.json").read_text())["checkpoints"]
+        assert index["4"]["protected"] is False
         mgr.save(5, state_of(5, frozen_seed=1)).wait()
         assert steps_on_disk(d) == [4, 5]
         assert set(manifest_of(d, 5)["refs"]) == {step_name(4)}
