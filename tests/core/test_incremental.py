@@ -448,3 +448,50 @@ def test_object_storage(tmp_path):
         same(t, state_of(3))
         mgr.save(4, state_of(4, frozen_seed=1)).wait()
         assert mgr.all_steps() == [4]
+
+
+@pytest.mark.filterwarnings("ignore:pitstop. incremental=True steps aside")
+def test_multi_rank_saves_step_aside_with_one_warning_per_rank(tmp_path, caplog):
+    import threading
+    from collections import defaultdict
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pitstop.core.coordination import CoordinationError, Coordinator
+
+    class Hub(Coordinator):
+        """Two ranks as two threads of this process (as tests/core/test_coordination.py)."""
+
+        def __init__(self, shared: dict, rank: int) -> None:
+            self.shared, self.rank, self.world_size, self.timeout_s = shared, rank, 2, 20.0
+            self.seq: dict = defaultdict(int)
+
+        def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list:
+            key = (channel, self.seq[channel])
+            self.seq[channel] += 1
+            cond, rounds = self.shared["cond"], self.shared["rounds"]
+            with cond:
+                rounds[key][self.rank] = data
+                cond.notify_all()
+                if not cond.wait_for(lambda: len(rounds[key]) == 2, self.timeout_s):
+                    raise CoordinationError(f"{what}: timed out")
+                return [rounds[key][r] for r in range(2)]
+
+    shared = {"cond": threading.Condition(), "rounds": defaultdict(dict)}
+    d = tmp_path / "run"
+
+    def job(rank: int) -> None:
+        with pitstop.CheckpointManager(d, distributed=Hub(shared, rank), incremental=True,
+                                       memory_tier=False, save_on_signals=None) as mgr:
+            for s in (1, 2):
+                assert mgr.save(s, state_of(s)).result().reused_bytes == 0
+
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(job, r) for r in range(2)]:
+                f.result(timeout=60)
+    said = [r for r in caplog.records if "incremental=True steps aside: this job saves "
+            "with several ranks" in r.getMessage()]
+    assert len(said) == 2  # one per rank's manager
+    assert "refs" not in manifest_of(d, 2)
+    with open_mgr(d, read_only=True) as ro:
+        same(ro.load(step=2), state_of(2))
