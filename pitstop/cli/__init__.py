@@ -564,6 +564,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{storage.location}: {len(steps)} checkpoint{'s' * (len(steps) != 1)}", file=out)
     if steps:
         rows = [("", "STEP", "SAVED", "SIZE", "ARRAYS", "METRICS")]
+        #: incremental checkpoints: holder step -> the steps that reference its data
+        users: dict[int, list[int]] = {}
         for s in steps:
             mark = "*" if s == steps[-1] else ""
             try:
@@ -574,6 +576,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 rows.append((mark, str(s), "-", "-", "-", f"unreadable: {_one_line(e)}"))
                 continue
             size = sum(m.files.values())
+            for h in m.refs:
+                held = naming.parse(h)
+                if held is not None:
+                    users.setdefault(held, []).append(s)
             rows.append(
                 (
                     mark,
@@ -596,6 +602,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             )
             print("  ".join(cells).rstrip(), file=out)
         print("(* newest)", file=out)
+        for held, by in sorted(users.items()):
+            print(f"step {held} holds data referenced by step {', '.join(map(str, by))} "
+                  "(incremental: arrays unchanged since it are stored there once; kept while "
+                  "a kept checkpoint references it)", file=out)
     if listing.tmp:
         print(
             f"{len(listing.tmp)} leftover(s) of interrupted saves: {', '.join(listing.tmp)} "
@@ -727,6 +737,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"all finite: {'unchecked' if m.all_finite is None else m.all_finite}",
         file=out,
     )
+    if m.refs:
+        print(f"  incremental: unchanged arrays are read from "
+              f"{', '.join(_shown(h) for h in m.refs)} (referenced, not written again)",
+              file=out)
     if m.encryption is not None:
         print(f"  encrypted: {m.encryption.get('algorithm')}, key id "
               f"{m.encryption.get('key_id')}", file=out)
@@ -739,9 +753,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for key, e in m.arrays.items():
             dtype = e.dtype if isinstance(e.dtype, str) else _short(e.dtype, 40)
             if e.shards is not None:
-                at = f"{len(e.shards)} shards, {', '.join(sorted({p.file for p in e.shards}))}"
+                at = f"{len(e.shards)} shards, " + ", ".join(
+                    sorted({p.file if p.ref is None else f"{p.ref}/{p.file}" for p in e.shards}))
             else:
-                at = f"{e.file}@{e.offset}" + (
+                at = ("" if e.ref is None else f"{_shown(e.ref)}/") + f"{e.file}@{e.offset}" + (
                     "" if e.codec == "none" else f" ({e.codec}, {human_size(e.length)})"
                 )
             rows.append(

@@ -190,3 +190,11 @@ def check_encryption(encryption: Any) -> None:
             f"encryption must be None or pitstop.Encryption(...), got a "
             f"{type(encryption).__name__} (a raw key is never accepted as an argument: "
             "pitstop.Encryption(key=callable) or the PITSTOP_ENCRYPTION_KEY variable)")
+
+
+def check_incremental(incremental: Any) -> None:
+    """``incremental`` is a bool (incremental checkpoints on or off)."""
+    if type(incremental) is not bool:
+        raise InvalidArgumentError(
+            f"incremental must be True or False (reference arrays unchanged since the previous "
+            f"save instead of writing them again), got {incremental!r}")

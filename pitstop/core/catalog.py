@@ -10,6 +10,7 @@ trouble there is a warning, and the next commit tries again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -207,13 +208,32 @@ def parse_index(raw: bytes, directory_id: str) -> dict[int, CheckpointInfo]:
         metrics = d.get("metrics") or {}
         if not isinstance(metrics, dict) or not all(_metric(v) for v in metrics.values()):
             raise TypeError(f"metrics of step {s} are not names of numbers, strings, bools")
-        flags = [d.get("ours", False), d.get("protected", False)]
+        flags = [d.get("ours", False), d.get("protected", False), d.get("held", False)]
         if not all(type(f) is bool for f in flags) or \
                 d.get("all_finite") not in (None, True, False):
             raise TypeError(f"flags of step {s} are not booleans")
+        refs = d.get("refs")
+        if refs is not None and not (isinstance(refs, list) and all(
+                type(r) is int and 0 <= r < int(s) for r in refs)):
+            raise TypeError(f"refs of step {s} are not older steps")
+        # ("held": protected only for pitstop before format 4, which knows no references)
         known[int(s)] = CheckpointInfo(int(s), metrics, flags[0], d.get("all_finite"),
-                                       flags[1])
+                                       flags[1] and not flags[2],
+                                       None if refs is None else tuple(refs))
     return known
+
+
+def _index_entry(i: CheckpointInfo, held: bool) -> dict[str, Any]:
+    """One checkpoint's entry in index.json; ``held``: another one references its data."""
+    d: dict[str, Any] = {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
+                         "protected": i.protected}
+    if i.refs is not None:
+        d["refs"] = list(i.refs)
+    if held and not i.protected:
+        # marked protected for a pitstop from before references, whose retention would
+        # delete it; "held" says it is not protected otherwise
+        d["protected"] = d["held"] = True
+    return d
 
 
 def _metric(v: Any) -> bool:
@@ -243,6 +263,9 @@ class Catalog:
         self.hooks: dict[str, Callable[..., Any]] = {}
         #: the index write or retention failed after a commit: retried at the next one
         self.dirty = False
+        #: called with a checkpoint's name when it leaves the directory (deleted, moved
+        #: aside): the engine never references it again (incremental checkpoints)
+        self.on_removed: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ listing
     def committed_steps(self) -> list[int]:
@@ -275,7 +298,7 @@ class Catalog:
                 known = {}
         index: dict[int, CheckpointInfo] = {}
         for s in self.committed_steps():
-            if s in known:
+            if s in known and known[s].refs is not None:
                 index[s] = known[s]
                 continue
             try:
@@ -283,19 +306,24 @@ class Catalog:
                                      encryption=self.encryption).manifest
             except CheckpointError as e:
                 log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
-                index[s] = CheckpointInfo(s, {}, ours=False)
+                # (an entry of an index from before references: kept as it was, with none)
+                index[s] = dataclasses.replace(known[s], refs=()) if s in known else \
+                    CheckpointInfo(s, {}, ours=False)
                 continue
+            old = known.get(s)
             index[s] = CheckpointInfo(s, m.metrics, ours=m.directory_id == self.directory_id
-                                      and bool(self.directory_id), all_finite=m.all_finite)
+                                      and bool(self.directory_id), all_finite=m.all_finite,
+                                      protected=old.protected if old else False,
+                                      refs=self.refs_of(m))
         with self.lock:
             self.index = index
             if write and index != known:
                 self._write_index()
 
     def _write_index(self) -> None:
+        held = {r for i in self.index.values() for r in (i.refs or ())}
         doc = {"directory_id": self.directory_id, "checkpoints": {
-            str(s): {"metrics": i.metrics, "ours": i.ours, "all_finite": i.all_finite,
-                     "protected": i.protected} for s, i in sorted(self.index.items())}}
+            str(s): _index_entry(i, s in held) for s, i in sorted(self.index.items())}}
         # derived from the manifests (rebuilt when stale), so it costs no fsync
         self.storage.write_meta(INDEX, json.dumps(doc, allow_nan=True).encode(), durable=False)
 
@@ -303,7 +331,7 @@ class Catalog:
     def committed(self, manifest: Manifest, name: str, stats: Any) -> None:
         """Persist thread, after a commit: index, then retention, then ``on_save``."""
         info = CheckpointInfo(step=manifest.step, metrics=manifest.metrics, ours=True,
-                              all_finite=manifest.all_finite)
+                              all_finite=manifest.all_finite, refs=self.refs_of(manifest))
         with self.lock:
             self.index[manifest.step] = info
             if not self.read_only:  # (another rank than the leader: the leader keeps it)
@@ -325,9 +353,30 @@ class Catalog:
             except Exception:  # noqa: BLE001
                 log.exception("pitstop: on_save callback failed")
 
+    def refs_of(self, m: Manifest) -> tuple[int, ...]:
+        """The steps whose data manifest ``m`` references (incremental checkpoints)."""
+        steps = (self.naming.parse(h) for h in m.refs)
+        return tuple(sorted(s for s in steps if s is not None))
+
+    def referencing(self, step: int, among: Any = None) -> list[int]:
+        """The checkpoints (of ``among``, by default every listed one) that reference data
+        ``step`` holds: while one of them stays, ``step`` stays too."""
+        with self.lock:
+            steps = self.index if among is None else among
+            return sorted(t for t in steps if t != step and t in self.index
+                          and step in (self.index[t].refs or ()))
+
     def _retain(self) -> None:
         doomed = to_delete(list(self.index.values()), self.retention)
-        for s in doomed:
+        # newest first: a checkpoint is deleted before the older ones it references, so a
+        # crash between two deletions never leaves one whose referenced bytes are gone; one
+        # that stays (referenced, being read, a failed deletion) keeps what it references
+        for s in sorted(doomed, reverse=True):
+            users = self.referencing(s)
+            if users:
+                log.info("pitstop: retention keeps step %d: it holds data referenced by step "
+                         "%s", s, ", ".join(map(str, users)))
+                continue
             if not self._written_here(s):
                 # the index said ours, the directory says otherwise (copied in, replaced)
                 old = self.index[s]
@@ -342,11 +391,13 @@ class Catalog:
             try:
                 if self.storage.delete_if_unread(self.naming.name(s)):
                     del self.index[s]
+                    self._removed(s)
                     log.info("pitstop: retention deleted step %d", s)
                 else:
                     log.info("pitstop: retention keeps step %d for now: it is being read", s)
             except FileNotFoundError:
                 del self.index[s]
+                self._removed(s)
             except OSError as e:  # one failed deletion must not stop the others
                 log.warning("pitstop: retention could not delete step %d: %s", s, e)
 
@@ -365,6 +416,13 @@ class Catalog:
         ``CheckpointManager.delete``); raises when it may not or cannot."""
         name = self.naming.name(step)
         where = self.storage.path_of(name)
+        users = self.referencing(step)
+        if users:
+            raise CheckpointError(
+                f"{where} holds data referenced by step {', '.join(map(str, users))} "
+                "(incremental checkpoints: arrays unchanged since it are stored once, in it); "
+                f"delete step {users[-1]} first, or keep it: retention deletes it once no "
+                "kept checkpoint references it")
         if not self._written_here(step):
             raise CheckpointError(
                 f"{where} was not written by this directory's runs (its manifest names "
@@ -385,6 +443,7 @@ class Catalog:
     def _forget(self, step: int) -> None:
         """Drop a step that left the directory from the index (written now, or at the next
         commit when that fails)."""
+        self._removed(step)
         with self.lock:
             self.index.pop(step, None)
             if self.read_only:
@@ -394,6 +453,10 @@ class Catalog:
             except OSError as e:
                 self.dirty = True
                 log.warning("pitstop: could not update the index: %s", e)
+
+    def _removed(self, step: int) -> None:
+        if self.on_removed is not None:
+            self.on_removed(self.naming.name(step))
 
     def forget(self, step: int) -> None:
         """Another rank than the leader: the leader removed ``step`` (moved it aside or
@@ -407,6 +470,13 @@ class Catalog:
         if self.read_only:
             return None
         name = self.naming.name(step)
+        users = self.referencing(step)
+        if users and reason == "corrupt":
+            # the checkpoints referencing it read their unchanged arrays from it: moving it
+            # would break them too (each is checked, and moved aside, on its own)
+            log.warning("pitstop: %s stays in place: it holds data referenced by step %s",
+                        self.storage.path_of(name), ", ".join(map(str, users)))
+            return None
         try:
             new = self.storage.move_aside(name, reason)
         except FileNotFoundError:

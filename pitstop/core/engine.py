@@ -146,6 +146,9 @@ class SaveStats:
     hash_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
+    #: bytes of arrays unchanged since the previous save, referenced instead of written
+    #: (incremental checkpoints)
+    reused_bytes: int = 0
     committed: bool = False
     skipped: str | None = None
     path: str | None = None
@@ -245,8 +248,13 @@ class Engine:
                  on_commit: Callable[[Manifest, str, SaveStats], None],
                  tier: Any = None, name_of: Callable[[int], str],
                  copy_threads: int | None = None, coordinator: Coordinator | None = None,
-                 encryption: Any = None) -> None:
+                 encryption: Any = None, incremental: bool = False) -> None:
         self.storage = storage
+        #: incremental checkpoints: arrays unchanged since this engine's last commit are
+        #: referenced, not written (the manager turns it off for multi-rank and encrypted saves)
+        self.incremental = incremental and coordinator is None and encryption is None
+        #: what the last commit holds, for incremental saves (None: nothing known yet)
+        self._previous: _Previous | None = None
         #: a :class:`~pitstop.core.crypto.Encryption`: every data file and manifest encrypted
         self.encryption = encryption
         #: the ranks this engine saves with (None: one process)
@@ -575,6 +583,7 @@ class Engine:
         # its group is written, chunk by chunk (the hashing runs at the pace of the disk, on
         # the I/O threads, instead of as a burst before the writes start)
         fused = self._fused(job)
+        same: dict[str, tuple[ArrayEntry, int]] = {}
         if fused:
             if job.check_finite and not buffer_is_finite(buf):
                 raise _Skip("an array holds NaN or Inf (non-finite guard)")
@@ -586,6 +595,11 @@ class Engine:
             hashes, finite = self._hash_and_seal(job)
             if not finite:
                 raise _Skip("an array holds NaN or Inf (non-finite guard)")
+            # 2. incremental: arrays unchanged since the last commit are referenced, not
+            # written
+            same = self._unchanged(job.step, layout, hashes) if self.incremental else {}
+            if same:
+                groups = [[i for i in g if layout.keys[i] not in same] for g in groups]
         t_hashed = time.perf_counter()
         # 3. write data files in parallel, then the manifest last, then publish atomically
         txn = self.storage.begin(name)
@@ -604,7 +618,10 @@ class Engine:
                 if fname is not None:
                     manifest.files[fname] = length
                 manifest.arrays.update(entries)
+            if same:
+                self._reference(manifest, same, job.handle.stats)
             manifest.arrays = {k: manifest.arrays[k] for k in layout.keys}  # layout order
+            pieces = manifest.arrays
             if layout.sharded:
                 manifest.arrays = group_pieces(manifest.arrays)
             hook = self.hooks.get("before_commit")
@@ -617,11 +634,14 @@ class Engine:
         except BaseException:
             txn.abort()
             raise
+        if self.incremental:
+            self._remember(name, job.step, layout, hashes, pieces, manifest)
         hook = self.hooks.get("after_commit")
         if hook is not None:
             hook(job.step)
         if self.compression in (None, "none") and self.encryption is None and \
-                job.release_buffer and not layout.sharded:
+                job.release_buffer and not layout.sharded and \
+                all(len(_runs(g)) == 1 for g in groups if g):
             # each data file is a copy of one region of the staging buffer: until a save
             # takes the buffer again, a restore of this step can read it from memory
             self.staged = (name, buf, buf.generation, {
@@ -638,6 +658,60 @@ class Engine:
         if staged is None or staged[0] != name or not self.pool.hold(staged[1], staged[2]):
             return None
         return staged[1], staged[3]
+
+    # ------------------------------------------------------------------ incremental
+    def _unchanged(self, step: int, layout: Layout, hashes: dict[str, str]
+                   ) -> dict[str, tuple[ArrayEntry, int]]:
+        """The arrays whose raw bytes, dtype, shape and codec setting equal those of the same
+        key in this engine's last commit, each with an entry referencing the checkpoint that
+        holds its bytes (never a chain: a referenced entry's own holder) and the length of
+        the holder's file."""
+        prev = self._previous
+        if prev is None or step <= prev.step or prev.compression != self.compression:
+            return {}
+        out: dict[str, tuple[ArrayEntry, int]] = {}
+        for i, k in enumerate(layout.keys):
+            held = prev.arrays.get(k)
+            if held is None or not layout.nbytes[i] or hashes.get(k) != held[0]:
+                continue
+            entry = held[1]
+            if entry.shape == list(layout.shapes[i]) and \
+                    entry.dtype == encode_dtype(layout.dtypes[i]):
+                out[k] = entry, prev.files[(entry.ref or "", entry.file)]
+        return out
+
+    @staticmethod
+    def _reference(manifest: Manifest, same: dict[str, tuple[ArrayEntry, int]],
+                   stats: SaveStats) -> None:
+        """Put the referencing entries ``same`` into ``manifest``, with the files they read
+        (each with its length)."""
+        for k, (e, length) in same.items():
+            assert e.ref is not None
+            manifest.arrays[k] = e
+            manifest.refs.setdefault(e.ref, {})[e.file] = length
+            stats.reused_bytes += e.length
+
+    def _remember(self, name: str, step: int, layout: Layout, hashes: dict[str, str],
+                  entries: dict[str, ArrayEntry], manifest: Manifest) -> None:
+        """After a commit: what it holds, for the next save to compare against."""
+        files = {(name, f): n for f, n in manifest.files.items()}
+        for holder, held in manifest.refs.items():
+            files.update({(holder, f): n for f, n in held.items()})
+        arrays: dict[str, tuple[str, ArrayEntry]] = {}
+        for k in layout.keys:
+            e = entries[k]
+            if e.ref is None:
+                e = ArrayEntry(dtype=e.dtype, shape=e.shape, file=e.file, offset=e.offset,
+                               length=e.length, hash=e.hash, codec=e.codec, ref=name)
+            arrays[k] = (hashes[k], e)
+        self._previous = _Previous(step, self.compression, arrays, files)
+
+    def forget_previous(self, name: str | None = None) -> None:
+        """The last commit (or any checkpoint it references: ``name``) left the directory
+        (deleted, moved aside): the next save writes every array again."""
+        prev = self._previous
+        if prev is not None and (name is None or any(h == name for h, _f in prev.files)):
+            self._previous = None
 
     def _persist_world(self, job: PersistJob, name: str, coord: Coordinator) -> Manifest:
         """One multi-rank save (see :mod:`pitstop.core.coordination`): three exchanges that
@@ -859,7 +933,8 @@ class Engine:
         before the data files are (a crash while writing then finds it sealed)."""
         buf = job.buffer
         return (job.hashes is None and buf is not None and buf.shm_path is None
-                and self.compression in (None, "none") and self.encryption is None)
+                and self.compression in (None, "none") and self.encryption is None
+                and not self.incremental)  # (which compares hashes before writing)
 
     def _hash_and_seal(self, job: PersistJob) -> tuple[dict[str, str], bool]:
         """Every array's hash (in parallel) and whether all are finite (when the guard is
@@ -919,8 +994,9 @@ class Engine:
             off, n = layout.offsets[i], layout.nbytes[i]
             raw = buf.buf[off:off + n]
             # the raw bytes' hash: the manifest's when uncompressed (compressed payloads are
-            # hashed while writing), and always the memory tier's seal
-            if raw_hashes or self.tier is not None or (
+            # hashed while writing), and always the memory tier's seal and what incremental
+            # saves compare
+            if raw_hashes or self.tier is not None or self.incremental or (
                     self.compression in (None, "none") and self.encryption is None):
                 out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
             # the non-finite guard holds with or without compression
@@ -1069,6 +1145,17 @@ class _RunHasher:
             self.done[layout.keys[i]] = str(self.hasher.hexdigest())
             self.hasher = None
             self.next += 1
+
+
+@dataclass
+class _Previous:
+    """What an engine's last commit holds (incremental saves): per key, its raw bytes'
+    hash and an entry referencing the checkpoint that holds them; each data file's length."""
+
+    step: int
+    compression: str | None
+    arrays: dict[str, tuple[str, ArrayEntry]]
+    files: dict[tuple[str, str], int]
 
 
 class _Skip(CheckpointError):

@@ -35,6 +35,7 @@ from . import memtier as memtier_mod
 from .arguments import (
     check_arguments,
     check_callables,
+    check_incremental,
     check_naming,
     check_permissions,
     check_user_metadata,
@@ -155,6 +156,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         permissions: int | None = 0o700,
         encryption: Any = None,
+        incremental: bool = False,
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -165,6 +167,7 @@ class CheckpointManager:
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         check_callables(save_policy, retention, on_save)
         check_encryption_arg(encryption)
+        check_incremental(incremental)
         #: encryption at rest (:class:`pitstop.Encryption`); None: plaintext checkpoints
         self.encryption = encryption
         check_naming(step_prefix, step_digits)
@@ -333,6 +336,14 @@ class CheckpointManager:
             # each rank keeps its own snapshots (a rank's part of the state)
             tier = MemoryTier(root, self.directory, self.directory_id, part="" if coord is None
                               else f"rank {coord.rank} of {coord.world_size}") if root else None
+            if incremental and (coord is not None or encryption is not None):
+                self._warn_once("incremental", (
+                    "pitstop: incremental=True steps aside: "
+                    + ("this job saves with several ranks" if coord is not None else
+                       "the checkpoints are encrypted")
+                    + ", and incremental checkpoints are made by one process, unencrypted "
+                    "(docs/incremental.md); every save writes all its arrays. Pass "
+                    "incremental=False to silence this."))
             self.pool = StagingPool(max_in_flight, tier.prefix if tier else None, _pin_hooks(),
                                     on_tier_failure=TierFallback(root) if tier else None)
             self._engine = Engine(
@@ -340,7 +351,9 @@ class CheckpointManager:
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
                 directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
-                encryption=encryption)
+                encryption=encryption, incremental=incremental)
+            # a checkpoint leaving the directory is never referenced by the next save
+            self._catalog.on_removed = self._engine.forget_previous
             self.hooks = self._engine.hooks
             self._catalog.hooks = self.hooks  # one dict: the engine's and retention's hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
@@ -630,7 +643,8 @@ class CheckpointManager:
         engine = self._writer()
         step = step_arg(step)
         with self._api_lock:
-            if step in engine.pending_steps():
+            if step in engine.pending_steps() or engine.incremental:
+                # (incremental: a save in flight may reference the checkpoint to delete)
                 engine.drain()
             if self._coord is not None:
                 self._delete_world(step, self._coord)
@@ -884,10 +898,12 @@ class CheckpointManager:
             return
         newer = [s for s in self._committed() if s > restored]
         moved = []
-        for s in newer:
+        # newest first: one that references an older one's data never outlives it
+        for s in sorted(newer, reverse=True):
             new = self._catalog.move_aside(s, "abandoned")
             if new is not None:
                 moved.append(f"{self.naming.name(s)} -> {new}")
+        moved.reverse()
         if moved:
             self._warn_once(
                 f"abandoned:{restored}:{newer}",

@@ -18,6 +18,7 @@ from typing import Any
 
 from .dtypes import decode_dtype
 from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .names import Naming
 from .tree import MAX_DEPTH, StructureError, check_structure, decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
@@ -33,7 +34,11 @@ WORLD_VERSION = "2.1"
 #: ``manifest_hash``): a new major, so that a 2.x reader says "upgrade pitstop" instead of
 #: calling it corrupt and moving it aside (plaintext checkpoints keep their 1.1 / 2.x versions)
 ENCRYPTED_VERSION = "3.0"
-MAJOR = 3
+#: an incremental checkpoint (array entries with a ``ref``: bytes held by an older checkpoint
+#: of the same directory, listed in ``refs``): a new major, so that a 3.x reader says
+#: "upgrade pitstop" instead of reading a file the checkpoint does not hold
+INCREMENTAL_VERSION = "4.0"
+MAJOR = 4
 #: separates a key path from a shard's index in the engine's piece keys; ``~`` is always
 #: escaped inside key paths (tree.escape), so ``~s`` never occurs in one
 SHARD_MARK = "~s"
@@ -46,6 +51,7 @@ _CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2}|aes-256-gcm|"
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     1: lambda doc: doc,  # 2.0 only added sharded array entries: a 1.x manifest is a 2.0 one
     2: lambda doc: doc,  # 3.0 only added encryption: a 2.x manifest is a plaintext 3.0 one
+    3: lambda doc: doc,  # 4.0 only added references (ref, refs): a 3.x manifest has none
 }
 
 
@@ -65,6 +71,9 @@ class ArrayEntry:
     #: a sharded array (``shape`` is the global one): its distinct shards, which cover it
     #: exactly; the entry's own file, offset, length and hash are then unused
     shards: list[ArrayEntry] | None = None
+    #: an incremental checkpoint's unchanged array: the name of the older checkpoint of the
+    #: same directory whose ``file`` holds the bytes (None: this checkpoint holds them)
+    ref: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         if self.shards is not None:
@@ -77,7 +86,16 @@ class ArrayEntry:
             del d["shape"], d["dtype"]
         if self.codec != "none":
             d["codec"] = self.codec
+        if self.ref is not None:
+            d["ref"] = self.ref
         return d
+
+    @property
+    def origin(self) -> tuple[str, str]:
+        """Which file holds the (first) bytes: ``(holder, file)``; holder "" is this
+        checkpoint, else the older checkpoint an incremental entry references."""
+        first = self.shards[0] if self.shards else self
+        return first.ref or "", first.file
 
     @property
     def start(self) -> tuple[str, int]:
@@ -110,7 +128,7 @@ def group_pieces(entries: dict[str, ArrayEntry]) -> dict[str, ArrayEntry]:
             if text else []
         shard = ArrayEntry(dtype=e.dtype, shape=[b - a for a, b in index], file=e.file,
                            offset=e.offset, length=e.length, hash=e.hash, codec=e.codec,
-                           index=index)
+                           index=index, ref=e.ref)
         whole = out.get(base)
         if whole is None:
             whole = out[base] = ArrayEntry(dtype=e.dtype, shape=[0] * len(index), file="",
@@ -143,6 +161,9 @@ class Manifest:
     ranks: list[RankView] = field(default_factory=list)
     #: the ``encryption`` section of an encrypted checkpoint (no key material); None: plaintext
     encryption: dict[str, Any] | None = None
+    #: an incremental checkpoint: the older checkpoints its ``ref`` entries read, each with
+    #: the lengths of its data files they read (empty: every byte is this checkpoint's own)
+    refs: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_bytes(self, sealer: Any = None) -> bytes:
         """The manifest's bytes, sealed: with a plain hash, or (encrypted, ``sealer``: the
@@ -167,6 +188,12 @@ class Manifest:
             "values": self.values,
             "structure": self.structure,
         }
+        if self.refs:
+            if self.encryption is not None:
+                raise ValueError("an encrypted manifest holds no references (refs)")
+            doc["format_version"] = INCREMENTAL_VERSION
+            doc["refs"] = {h: {f: {"length": n} for f, n in fs.items()}
+                           for h, fs in self.refs.items()}
         if self.world > 1:
             doc["world"] = {"size": self.world, "ranks": [{}] + [r.to_json() for r in self.ranks]}
         if self.encryption is not None:
@@ -211,7 +238,8 @@ class Manifest:
             files=self.files, hash_algorithm=self.hash_algorithm, metrics=self.metrics,
             directory_id=self.directory_id, created_unix=self.created_unix,
             all_finite=self.all_finite, writer=self.writer, user_metadata=self.user_metadata,
-            format_version=self.format_version, world=self.world, encryption=self.encryption)
+            format_version=self.format_version, world=self.world, encryption=self.encryption,
+            refs=self.refs)
 
     def rank_specific(self) -> list[str]:
         """Keys whose saved value differs between ranks (per-rank state: RNG streams, a
@@ -302,14 +330,34 @@ def _finite(text: str) -> float:
     return v
 
 
-def parse(data: bytes, where: str, encryption: Any = None) -> Manifest:
+def parse(data: bytes, where: str, encryption: Any = None, naming: Naming | None = None
+          ) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the checkpoint in errors. An
-    encrypted one needs ``encryption`` (its key) to check its HMAC seal."""
+    encrypted one needs ``encryption`` (its key) to check its HMAC seal. ``naming``: the
+    directory's, so that each referenced checkpoint (``refs``) must be one of its
+    checkpoints of an older step (without it, only the form of those names is checked)."""
     if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
         # a caller deep in its own stack: the nesting of a valid manifest must not run into
         # the recursion limit and be taken for corruption, so it is read on a fresh stack
-        return on_fresh_stack(_parse, data, where, encryption)  # type: ignore[no-any-return]
-    return _parse(data, where, encryption)
+        m = on_fresh_stack(_parse, data, where, encryption)
+    else:
+        m = _parse(data, where, encryption)
+    if naming is not None and m.refs:
+        check_refs(m, naming, where)
+    return m  # type: ignore[no-any-return]
+
+
+def check_refs(m: Manifest, naming: Naming, where: str) -> None:
+    """Every checkpoint ``m`` references is named as ``naming`` names a checkpoint, of a
+    step older than ``m``'s own (never itself: references never loop)."""
+    for holder in m.refs:
+        step = naming.parse(holder)
+        if step is None or step >= m.step:
+            raise CorruptCheckpointError(
+                f"{where}: manifest.json references {_brief(holder)}, which is not an older "
+                f"checkpoint of this directory (its checkpoints are named "
+                f"{naming.describe()}; this one is of step {m.step})",
+                checkpoint=where, file="manifest.json")
 
 
 #: the frames parsing may need: the JSON nesting of the deepest structure pitstop writes
@@ -407,6 +455,8 @@ MAX_BYTES = 1 << 60
 def _check_encrypted(m: Manifest) -> None:
     """Every stored array is encrypted exactly when the manifest says it is."""
     from .crypto import split
+    if m.refs and m.encryption is not None:
+        raise ValueError("an encrypted manifest with references (refs): pitstop writes none")
     for key, e in m.stored():
         if split(e.codec)[1] != (m.encryption is not None):
             raise ValueError(f"array {key!r}: codec {e.codec!r} in "
@@ -459,9 +509,17 @@ def _dtype(descr: Any, key: str) -> Any:
 
 
 def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtype: Any,
-            shape: list[int]) -> ArrayEntry:
-    """One stored run of bytes: a whole array, or (with ``index``) one shard of ``shape``."""
+            shape: list[int], refs: dict[str, dict[str, int]] | None = None) -> ArrayEntry:
+    """One stored run of bytes: a whole array, or (with ``index``) one shard of ``shape``;
+    with ``ref``, held by that older checkpoint (its files as ``refs`` lists them)."""
     index = None
+    ref = e.get("ref")
+    if ref is not None:
+        if not isinstance(ref, str) or ref not in (refs or {}):
+            raise CorruptCheckpointError(
+                f"{where}: array {key!r} references {_brief(ref)}, which the manifest's refs "
+                "do not list", checkpoint=where, key=key, file="manifest.json")
+        files = (refs or {})[ref]
     if "index" in e:
         index = e["index"]
         if not isinstance(index, list) or len(index) != len(shape) or not all(
@@ -477,13 +535,14 @@ def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtyp
     entry = ArrayEntry(dtype=dtype, shape=shape, file=e["file"],
                        offset=_count(e["offset"], "offset", key),
                        length=_count(e["length"], "length", key), hash=e["hash"],
-                       codec=e.get("codec", "none"), index=index)
+                       codec=e.get("codec", "none"), index=index, ref=ref)
     if not _CODEC.fullmatch(entry.codec):
         raise ValueError(f"array {key!r}: unknown codec {_brief(entry.codec)}")
     if entry.file not in files:
         raise CorruptCheckpointError(
             f"{where}: array {key!r} points to file {entry.file!r}, which the checkpoint "
-            "does not list", checkpoint=where, key=key, file=entry.file)
+            f"{'' if ref is None else f'{ref} (referenced) '}does not list",
+            checkpoint=where, key=key, file=entry.file)
     if entry.offset + entry.length > files[entry.file]:
         raise CorruptCheckpointError(
             f"{where}: array {key!r} ends past the end of {entry.file}",
@@ -546,7 +605,8 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         if type(length) is not int or not 0 <= length <= MAX_BYTES:
             raise ValueError(f"file {name}: bad length {_brief(length)}")
         files[name] = length
-    arrays = {key: _entry(_object(e, f"array {key!r}"), key, where, files)
+    refs = _refs(doc.get("refs", {}), where)
+    arrays = {key: _entry(_object(e, f"array {key!r}"), key, where, files, refs)
               for key, e in _object(doc["arrays"], "arrays").items()}
     values = doc.get("values", {})
     if not isinstance(values, dict):
@@ -604,8 +664,37 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         all_finite=doc.get("all_finite"),
         writer=dict(_object(doc.get("writer") or {}, "writer")),
         user_metadata=_decoded_object(doc.get("user_metadata"), "user_metadata", where),
-        format_version=str(doc["format_version"]), world=world, ranks=ranks,
+        format_version=str(doc["format_version"]), world=world, ranks=ranks, refs=refs,
     )
+
+
+#: what a referenced checkpoint's name may be (a single directory entry, never one of
+#: pitstop's own: .pitstop, .tmp-*); ``check_refs`` then holds it to the directory's naming
+_REF_NAME = re.compile(r"^[^./\x00][^/\x00]{0,254}$", re.S)
+
+
+def _refs(v: Any, where: str) -> dict[str, dict[str, int]]:
+    """The ``refs`` section: referenced checkpoint -> its data files read -> their lengths."""
+    out: dict[str, dict[str, int]] = {}
+    for holder, files in _object(v, "refs").items():
+        if not _REF_NAME.fullmatch(holder) or ".tmp-" in holder:
+            raise CorruptCheckpointError(
+                f"{where}: manifest.json references {_brief(holder)}, which is not the name "
+                "of a checkpoint", checkpoint=where, file="manifest.json")
+        held: dict[str, int] = {}
+        for name, info in _object(files, f"refs[{holder!r}]").items():
+            if not _FILE_NAME.fullmatch(name):
+                raise CorruptCheckpointError(
+                    f"{where}: referenced data file {name!r} is not a plain file name",
+                    checkpoint=where, file=name)
+            length = _object(info, f"refs[{holder!r}][{name!r}]")["length"]
+            if type(length) is not int or not 0 <= length <= MAX_BYTES:
+                raise ValueError(f"refs: file {name} of {holder}: bad length {_brief(length)}")
+            held[name] = length
+        if not held:
+            raise ValueError(f"refs: {holder} lists no data file")
+        out[holder] = held
+    return out
 
 
 def _object(v: Any, what: str) -> dict[str, Any]:
@@ -659,15 +748,16 @@ def _check_structure(structure: Any, arrays: Container[str], values: Container[s
             checkpoint=where, key=getattr(e, "key", None), file="manifest.json") from None
 
 
-def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int]) -> ArrayEntry:
+def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int],
+           refs: dict[str, dict[str, int]] | None = None) -> ArrayEntry:
     """One array's entry: stored whole, or sharded (its shards must cover it exactly)."""
     shape = _shape(e["shape"], key)
     if "shards" in e:
         _dtype(e["dtype"], key)
         if not isinstance(e["shards"], list) or not e["shards"]:
             raise ValueError(f"array {key!r}: shards is not a non-empty list")
-        shards = [_stored(s, key, where, files, e["dtype"], shape) for s in e["shards"]]
+        shards = [_stored(s, key, where, files, e["dtype"], shape, refs) for s in e["shards"]]
         _check_cover(shards, shape, key, where)
         return ArrayEntry(dtype=e["dtype"], shape=shape, file="", offset=0, length=0,
                           hash="", shards=shards)
-    return _stored(e, key, where, files, e["dtype"], shape)
+    return _stored(e, key, where, files, e["dtype"], shape, refs)

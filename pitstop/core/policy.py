@@ -188,6 +188,9 @@ class CheckpointInfo:
     ours: bool = True
     all_finite: bool | None = None
     protected: bool = False
+    #: the older steps whose data this incremental checkpoint references (None: not known
+    #: yet, an index written before references; read from the manifest)
+    refs: tuple[int, ...] | None = ()
 
 
 class RetentionPolicy(Protocol):

@@ -79,7 +79,7 @@ class CheckpointReader:
         self.storage = storage
         self.name = name
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
-        self._sources: dict[str, _FileSource] = {}
+        self._sources: dict[tuple[str, str], _FileSource] = {}
         self.where = storage.path_of(name)
         try:
             data = storage.read_bytes(name, MANIFEST)
@@ -89,7 +89,7 @@ class CheckpointReader:
         except OSError as e:
             raise _os_error(self.where, MANIFEST, e) from None
         try:
-            self.manifest: Manifest = parse(data, self.where, encryption)
+            self.manifest: Manifest = parse(data, self.where, encryption, naming)
         except EncryptionKeyError:
             if encryption is None or _directory_key_id(storage) != encryption.key_id:
                 raise
@@ -122,26 +122,41 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ checks
     def check_files(self) -> None:
-        """Cheap structural check: every data file exists with the recorded length."""
-        for fname, length in self.manifest.files.items():
+        """Cheap structural check: every data file exists with the recorded length (those
+        of older checkpoints an incremental one references too)."""
+        files = [("", f, n) for f, n in self.manifest.files.items()]
+        files += [(h, f, n) for h, held in self.manifest.refs.items() for f, n in held.items()]
+        for holder, fname, length in files:
             try:
-                actual = self.storage.size(self.name, fname)
+                actual = self.storage.size(holder or self.name, fname)
             except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"{self.where}: data file {fname} is missing{self._held_in(fname)}",
-                    checkpoint=self.where, file=fname) from None
+                raise self._missing(holder, fname) from None
             except OSError as e:
-                raise _os_error(self.where, fname, e) from None
+                raise _os_error(self.where, _shown(holder, fname), e) from None
             if actual != length:
                 raise CorruptCheckpointError(
-                    f"{self.where}: data file {fname} has {actual} bytes, the manifest recorded "
-                    f"{length} (truncated or overwritten){self._held_in(fname)}",
-                    checkpoint=self.where, file=fname)
+                    f"{self.where}: data file {_shown(holder, fname)} has {actual} bytes, the "
+                    f"manifest recorded {length} (truncated or overwritten)"
+                    f"{self._held_in(fname, holder)}", checkpoint=self.where, file=fname)
 
-    def _held_in(self, fname: str) -> str:
+    def _missing(self, holder: str, fname: str) -> CorruptCheckpointError:
+        """A data file that is not there; for a referenced one, says whose it is."""
+        if not holder:
+            return CorruptCheckpointError(
+                f"{self.where}: data file {fname} is missing{self._held_in(fname)}",
+                checkpoint=self.where, file=fname)
+        return CorruptCheckpointError(
+            f"{self.where}: data file {fname} of checkpoint {holder} is missing"
+            f"{self._held_in(fname, holder)}: this incremental checkpoint references those "
+            f"arrays' bytes in {holder}, which was deleted or moved aside (or lost that file). "
+            "It cannot be restored; restore() falls back to an older checkpoint. Never delete "
+            "a checkpoint by hand that a kept one references (pitstop ls shows which)",
+            checkpoint=self.where, file=fname)
+
+    def _held_in(self, fname: str, holder: str = "") -> str:
         """Which arrays a damaged data file holds, for its error: what the user lost."""
-        keys = [k for k, e in self.manifest.arrays.items() if any(p.file == fname
-                                                                   for p in e.parts)]
+        keys = [k for k, e in self.manifest.arrays.items()
+                if any(p.file == fname and (p.ref or "") == holder for p in e.parts)]
         if not keys:
             return ""
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
@@ -153,7 +168,8 @@ class CheckpointReader:
         self.check_files()
         for key, entry in self.manifest.arrays.items():
             self.read_array(key, entry)
-        done = {(p.file, p.offset) for e in self.manifest.arrays.values() for p in e.parts}
+        done = {(p.file, p.offset) for e in self.manifest.arrays.values() for p in e.parts
+                if p.ref is None}
         for view in self.manifest.ranks:
             for key, entry in view.arrays.items():
                 if any((p.file, p.offset) not in done for p in entry.parts):
@@ -262,22 +278,23 @@ class CheckpointReader:
                                 f"{entry.shape} and dtype need {need}")
 
     def _read(self, entry: ArrayEntry, offset: int, out: np.ndarray) -> int:
-        src = self._sources.get(entry.file)
+        src = self._sources.get((entry.ref or "", entry.file))
         try:
             if src is not None:
                 return src.read_into(offset, out)
-            return self.storage.read_into(self.name, entry.file, offset, out)
+            # (an incremental entry's bytes: in the older checkpoint it references)
+            return self.storage.read_into(entry.ref or self.name, entry.file, offset, out)
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"{self.where}: data file {entry.file} is missing{self._held_in(entry.file)}",
-                checkpoint=self.where, file=entry.file) from None
+            raise self._missing(entry.ref or "", entry.file) from None
         except OSError as e:
-            raise _os_error(self.where, entry.file, e) from None
+            raise _os_error(self.where, _shown(entry.ref or "", entry.file), e) from None
 
     def _corrupt(self, key: str, entry: ArrayEntry, what: str) -> CorruptCheckpointError:
+        held = "" if entry.ref is None else \
+            f" (referenced: {entry.ref} holds the bytes of this incremental checkpoint)"
         return CorruptCheckpointError(
-            f"{self.where}: array {key!r} in {entry.file} at offset {entry.offset}: {what}",
-            checkpoint=self.where, key=key, file=entry.file)
+            f"{self.where}: array {key!r} in {_shown(entry.ref or '', entry.file)} at offset "
+            f"{entry.offset}: {what}{held}", checkpoint=self.where, key=key, file=entry.file)
 
     def region_reader(self, key: str, entry: ArrayEntry
                       ) -> Callable[[tuple[tuple[int, int], ...]], np.ndarray]:
@@ -416,13 +433,13 @@ class CheckpointReader:
     def per_file(self, items: list[Any], fn: Any) -> None:
         """Run ``fn`` over items (sorted by file, then offset), one thread per data file, so
         each file is read sequentially while reading and hash checks overlap across files."""
-        by_file: dict[str, list[Any]] = {}
+        by_file: dict[tuple[str, str], list[Any]] = {}
         for item in items:
-            by_file.setdefault(item[-1].start[0], []).append(item)
+            by_file.setdefault(item[-1].origin, []).append(item)
         runs = list(by_file.values())
-        for fname in by_file:
-            if fname not in self._sources:
-                self._sources[fname] = _FileSource(self, fname)
+        for origin in by_file:
+            if origin not in self._sources:
+                self._sources[origin] = _FileSource(self, *origin)
         try:
             if len(runs) <= 1 or self.threads <= 1:
                 for item in items:
@@ -442,15 +459,18 @@ class _FileSource:
     """Reads one data file through one descriptor; small reads are served from a window
     read ahead in one call, so thousands of small tensors cost a few large reads."""
 
-    def __init__(self, reader: CheckpointReader, fname: str) -> None:
+    def __init__(self, reader: CheckpointReader, holder: str, fname: str) -> None:
         self.reader = reader
+        #: the checkpoint whose file this is (an incremental one's referenced data)
+        self.holder = holder or reader.name
         self.fname = fname
-        self.length = reader.manifest.files.get(fname, 0)
+        self.length = reader.manifest.refs[holder].get(fname, 0) if holder else \
+            reader.manifest.files.get(fname, 0)
         opener = getattr(reader.storage, "open_reader", None)
         self.fd: int | None = None
         if opener is not None:
             try:
-                self.fd = opener(reader.name, fname)
+                self.fd = opener(self.holder, fname)
             except OSError:
                 self.fd = None  # the plain path below reports it
         self.window = np.empty(0, np.uint8)
@@ -466,7 +486,7 @@ class _FileSource:
     def _read_into(self, offset: int, out: np.ndarray) -> int:
         n = out.nbytes
         if self.fd is None:
-            return self.reader.storage.read_into(self.reader.name, self.fname, offset, out)
+            return self.reader.storage.read_into(self.holder, self.fname, offset, out)
         if n <= SMALL and not (self.w_start <= offset and offset + n <= self.w_end):
             size = max(0, min(WINDOW, self.length - offset))
             if self.window.size < WINDOW:
@@ -508,6 +528,12 @@ def _os_error(where: str, fname: str, e: OSError) -> CheckpointError:
             "manifest describes", checkpoint=where, file=fname)
     return CheckpointError(f"{where}: reading {fname} failed ({type(e).__name__}: {e}); the "
                            "checkpoint may be intact: retry, or check the storage")
+
+
+def _shown(holder: str, fname: str) -> str:
+    """A data file as errors name it: ``../step_0000000003/data-000.bin`` when an
+    incremental checkpoint references it in an older checkpoint."""
+    return f"../{holder}/{fname}" if holder else fname
 
 
 def _slices(index: Any) -> tuple[slice, ...]:

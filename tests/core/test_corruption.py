@@ -331,9 +331,9 @@ def test_every_checkpoint_corrupt_raises_instead_of_starting_over_and_keeps_them
 
 
 def test_future_major_format_is_refused_clearly_and_never_moved(ckdir):
-    edit_manifest(ckdir, 3, lambda doc: doc.update(format_version="4.0"))
+    edit_manifest(ckdir, 3, lambda doc: doc.update(format_version="5.0"))
     with open_mgr(ckdir) as mgr:
-        with pytest.raises(pitstop.UnsupportedFormatError, match="4.0") as info:
+        with pytest.raises(pitstop.UnsupportedFormatError, match="5.0") as info:
             mgr.restore(blank(), step=3)
         assert "Upgrade pitstop" in str(info.value) and step_name(3) in str(info.value)
         with pytest.raises(pitstop.UnsupportedFormatError):
@@ -355,7 +355,7 @@ def test_future_format_alone_raises_instead_of_starting_from_scratch(tmp_path):
     d = tmp_path / "run"
     with open_mgr(d) as mgr:
         mgr.save(7, state_of(7)).result(timeout=60)
-    edit_manifest(d, 7, lambda doc: doc.update(format_version="4.1"))
+    edit_manifest(d, 7, lambda doc: doc.update(format_version="5.1"))
     with open_mgr(d) as mgr:
         with pytest.warns(UserWarning):
             with pytest.raises(pitstop.UnsupportedFormatError):

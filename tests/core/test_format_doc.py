@@ -186,5 +186,5 @@ def test_manifests_match_the_json_schema(tmp_path):
     # and the schema rejects what readers must refuse
     bad = dict(manifest, files={"../escape": {"length": 1}})
     assert not validator.is_valid(bad)
-    bad = dict(manifest, format_version="4.0")
+    bad = dict(manifest, format_version="5.0")
     assert not validator.is_valid(bad)

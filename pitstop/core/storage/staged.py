@@ -31,7 +31,10 @@ class StagedStorage:
         if name == self._name and relpath in self._files:
             # (the reader then reads through read_into, below)
             raise OSError(f"{relpath} of {name} is read from the staging buffer")
-        return int(self._storage.open_reader(name, relpath))
+        opener = getattr(self._storage, "open_reader", None)
+        if opener is None:  # (object storage) the reader reads through read_into
+            raise OSError(f"{self._storage!r} reads through read_into")
+        return int(opener(name, relpath))
 
     def read_into(self, name: str, relpath: str, offset: int, out: Any) -> int:
         where = self._files.get(relpath) if name == self._name else None
