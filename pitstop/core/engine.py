@@ -940,10 +940,7 @@ class Engine:
                 raise
 
     def _lazy_off(self) -> None:
-        if self.lazy:
-            self.lazy = False
-            log.warning("pitstop: a tensor was written in place between a lazy save and the "
-                        "next optimizer step; this manager now takes its snapshots eagerly")
+        self.lazy = False  # (the save's error says so: one message, not two)
 
     def _committed(self, job: PersistJob, location: str, t0: float, t_hashed: float,
                    t_write: float, t_written: float) -> None:

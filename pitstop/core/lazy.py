@@ -198,7 +198,7 @@ class LazyCopy:
                     "its saved bytes might mix old and new values; the step is not "
                     "committed. After a lazy save, change parameters only in "
                     "optimizer.step() (or call mgr.wait() first), or use "
-                    "snapshot='eager'. This manager takes its later saves eagerly.")
+                    "snapshot='eager'. This manager takes its later saves eagerly")
 
 
 def _version_of(leaf: Any) -> Any:
