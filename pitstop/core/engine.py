@@ -451,11 +451,6 @@ class Engine:
             copy.retire()
         self.pool.release(buf)
 
-    def fence(self) -> None:
-        """Wait for every pending lazy copy (the manager's calls begin with it)."""
-        from .lazy import fence_all
-        fence_all()
-
     def submit(self, job: PersistJob) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; the save was not taken")

@@ -307,3 +307,25 @@ def test_a_synchronous_manager_copies_eagerly_and_bad_modes_are_refused(tmp_path
     mgr.close()
     with pytest.raises(pitstop.InvalidArgumentError, match="snapshot must be"):
         make(tmp_path, snapshot="deferred")
+
+
+def test_a_fence_that_cannot_be_installed_steps_aside_with_one_warning(tmp_path, monkeypatch,
+                                                                       caplog):
+    from pitstop.adapters.torch import _leaf
+
+    def no_hook() -> None:
+        raise AttributeError("this torch has no register_optimizer_step_pre_hook")
+
+    monkeypatch.setattr(_leaf.TensorLeaf, "lazy_guard", staticmethod(no_hook))
+    model, opt, _x = trained()
+    mgr = make(tmp_path)
+    before = values(model, opt)
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        h1 = mgr.save(1, {"model": model, "opt": opt})
+        opt.step()
+        h2 = mgr.save(2, {"model": model, "opt": opt})
+    assert h1.stats.lazy_bytes == 0 and h2.stats.lazy_bytes == 0 and not lazy.pending()
+    h2.wait()
+    assert_saved(mgr, 1, before)
+    assert sum("steps aside" in r.getMessage() for r in caplog.records) == 1
+    mgr.close()
