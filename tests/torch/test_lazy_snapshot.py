@@ -180,7 +180,9 @@ def test_an_in_place_write_after_the_copy_but_before_the_step_fails_that_save(tm
     commit = threading.Event()
     mgr.hooks["before_commit"] = lambda step: commit.wait(WAIT)
     handle = mgr.save(1, {"model": model, "opt": opt})
-    for copy in lazy.pending():
+    copies = lazy.pending()
+    assert copies
+    for copy in copies:
         assert copy.done.wait(WAIT)
     opt.state[model[1].weight]["exp_avg"].add_(1)  # no optimizer step: no fence
     commit.set()
@@ -264,10 +266,12 @@ def test_fork_right_after_a_lazy_save_waits_for_the_copy_and_the_child_does_not_
 
     t = threading.Thread(target=let_go, daemon=True)
     t.start()
+    copies = lazy.pending()
+    assert copies and not any(c.done.is_set() for c in copies)
     pid = os.fork()
     if pid == 0:  # the child: nothing of the parent's left to wait for
         os._exit(0 if not lazy.pending() else 3)
-    assert all(c.done.is_set() for c in lazy.pending())  # the fork waited for the copy
+    assert all(c.done.is_set() for c in copies)  # the fork waited for the copy
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     t.join(WAIT)
