@@ -84,13 +84,13 @@ class LazyCopy:
 
     def _first(self) -> None:
         hook = self.hooks.get("before_lazy_copy")
-        if hook is not None:
-            try:
+        try:
+            if hook is not None:
                 hook(self.step)
-            except BaseException as e:  # noqa: BLE001 - the save's failure
-                self._fail(e)
-            finally:
-                self.started.set()
+        except BaseException as e:  # noqa: BLE001 - the save's failure
+            self._fail(e)
+        finally:
+            self.started.set()
         self.run()
 
     def run(self) -> None:
