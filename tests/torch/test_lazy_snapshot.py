@@ -333,3 +333,25 @@ def test_a_fence_that_cannot_be_installed_steps_aside_with_one_warning(tmp_path,
     assert_saved(mgr, 1, before)
     assert sum("steps aside" in r.getMessage() for r in caplog.records) == 1
     mgr.close()
+
+
+def test_the_memory_tier_describes_a_lazy_snapshot_only_once_it_is_copied(tmp_path):
+    model, opt, _x = trained()
+    (tmp_path / "shm").mkdir()
+    mgr = make(tmp_path, memory_tier=str(tmp_path / "shm"))
+    tier = mgr._engine.tier
+    gate = Gate(mgr)
+    written = threading.Event()
+    proceed = threading.Event()
+    mgr.hooks["before_write"] = lambda step: (written.set(), proceed.wait(WAIT))
+    before = values(model, opt)
+    handle = mgr.save(1, {"model": model, "opt": opt})
+    assert gate.held.wait(WAIT)
+    assert 1 not in {int(meta["step"]) for meta, _p in tier.candidates()}
+    gate.open()
+    assert written.wait(WAIT)  # copied, hashed, sealed; not yet written
+    assert 1 in {int(meta["step"]) for meta, _p in tier.candidates()}
+    proceed.set()
+    handle.wait()
+    assert_saved(mgr, 1, before)
+    mgr.close()
