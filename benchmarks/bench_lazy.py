@@ -42,6 +42,8 @@ def child(mode: str, state_bytes: int, steps: int, width: int, batch: int,
     bulk_n = max(1, state_bytes // 4 // 3 - mlp)  # params + exp_avg + exp_avg_sq
     bulk = torch.nn.Parameter(torch.randn(bulk_n))
     bulk_grad = torch.randn(bulk_n) * 1e-3
+    emb = torch.nn.Module()  # the "embeddings": a module holding the bulk parameter
+    emb.w = bulk
     opt = torch.optim.Adam([*model.parameters(), bulk], lr=1e-4)
     x = torch.randn(batch, width)
 
@@ -53,7 +55,7 @@ def child(mode: str, state_bytes: int, steps: int, width: int, batch: int,
 
     for _ in range(3):  # warm-up: Adam state exists, allocator warm
         train_step()
-    state = {"model": model, "bulk": {"w": bulk}, "opt": opt}
+    state = {"model": model, "emb": emb, "opt": opt}
     total = (mlp + bulk_n) * 4 * 3
     # the memcpy floor of the same bytes, into preallocated memory
     srcs = [p.detach().numpy() for p in [*model.parameters(), bulk]]

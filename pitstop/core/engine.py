@@ -440,13 +440,14 @@ class Engine:
             return
         copy = LazyCopy(step, tasks, [leaf for _k, leaf, _v in deferred],
                         [k for k, _leaf, _v in deferred], hooks=self.hooks)
-        self._deferred[id(buf)] = copy
-        copy.start(self._copier.submit, self.copy_threads - 1 or 1)
+        copy.register()
+        self._deferred[id(buf)] = copy  # launched by submit()
 
     def release_snapshot(self, buf: StagingBuffer) -> None:
         """Give back a snapshot that will not be submitted (its lazy copy finished first)."""
         copy = self._deferred.pop(id(buf), None)
         if copy is not None:
+            copy.started.set()  # never launched: this thread copies (a test hook or not)
             copy.fence()
             copy.retire()
         self.pool.release(buf)
@@ -474,6 +475,8 @@ class Engine:
         with self._lock:
             self._pending.append(job.handle)
         self._queue.put(job)
+        if job.lazy is not None and job.hashes is None:
+            job.lazy.launch(self._copier.submit, self.copy_threads - 1 or 1)
 
     def in_flight(self) -> int:
         with self._lock:

@@ -72,12 +72,17 @@ class LazyCopy:
         self.fence_wait_s = 0.0
 
     # ------------------------------------------------------------------ copying
-    def start(self, submit: Callable[..., Any], runners: int) -> None:
-        """Register the copy as pending and hand it to ``runners`` copy threads."""
-        with _lock:
-            _pending.append(self)
+    def register(self) -> None:
+        """From now on every fence waits for this copy (it runs the copy itself when no copy
+        thread has started it yet)."""
         if "before_lazy_copy" not in self.hooks:
             self.started.set()
+        with _lock:
+            _pending.append(self)
+
+    def launch(self, submit: Callable[..., Any], runners: int) -> None:
+        """Hand the copy to ``runners`` copy threads: the last thing save() does, so the
+        copy threads do not compete with save()'s own bookkeeping for the GIL."""
         submit(self._first)
         for _ in range(max(0, runners - 1)):
             submit(self.run)

@@ -355,3 +355,13 @@ def test_the_memory_tier_describes_a_lazy_snapshot_only_once_it_is_copied(tmp_pa
     handle.wait()
     assert_saved(mgr, 1, before)
     mgr.close()
+
+
+def test_a_parameter_by_itself_is_copied_lazily_a_plain_tensor_eagerly(tmp_path):
+    mgr = make(tmp_path)
+    p = torch.nn.Parameter(torch.randn(64, 64))  # 16 KiB: the smallest copied lazily
+    t = torch.randn(64, 64)
+    handle = mgr.save(1, {"p": p, "t": t})
+    assert handle.stats.lazy_bytes == p.numel() * 4
+    handle.wait()
+    mgr.close()

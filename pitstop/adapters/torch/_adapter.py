@@ -150,7 +150,9 @@ class TensorAdapter:
         return isinstance(obj, torch.Tensor)
 
     def capture(self, obj: torch.Tensor) -> Any:
-        return tensor_leaf(obj)
+        leaf = tensor_leaf(obj)
+        # a parameter placed in the state by itself is still written by optimizer steps only
+        return lazy_leaf(leaf) if isinstance(obj, nn.Parameter) else leaf
 
     def apply(self, obj: torch.Tensor, tree: Any) -> None:
         if isinstance(tree, np.ndarray):  # not restored in place: copy it in
