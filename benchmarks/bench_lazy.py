@@ -27,11 +27,14 @@ from typing import Any
 
 
 def child(mode: str, state_bytes: int, steps: int, width: int, batch: int,
-          reps: int) -> dict:
+          reps: int, threads: int) -> dict:
     import numpy as np
     import torch
 
     import pitstop
+
+    if threads:
+        torch.set_num_threads(threads)
 
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -117,13 +120,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5, help="paired loops per process")
     ap.add_argument("--processes", type=int, default=2, help="fresh processes per mode")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch.set_num_threads in the loop (0: torch's default, every core)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     size = int(float(a.state[:-1]) * units[a.state[-1].upper()]) \
         if a.state[-1].upper() in units else int(a.state)
     if a.child:
-        print(json.dumps(child(a.child, size, a.steps, a.width, a.batch, a.reps)))
+        print(json.dumps(child(a.child, size, a.steps, a.width, a.batch, a.reps,
+                               a.torch_threads)))
         return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -132,7 +138,8 @@ def main() -> None:
         for mode in runs:
             r = subprocess.run([sys.executable, __file__, "--child", mode, "--state", a.state,
                                 "--steps", str(a.steps), "--width", str(a.width),
-                                "--batch", str(a.batch), "--reps", str(a.reps)],
+                                "--batch", str(a.batch), "--reps", str(a.reps),
+                                "--torch-threads", str(a.torch_threads)],
                                capture_output=True, text=True, env=env)
             if r.returncode:
                 sys.exit(f"the {mode} run failed:\n{r.stderr}")
