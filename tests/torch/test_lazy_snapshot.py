@@ -365,3 +365,22 @@ def test_a_parameter_by_itself_is_copied_lazily_a_plain_tensor_eagerly(tmp_path)
     assert handle.stats.lazy_bytes == p.numel() * 4
     handle.wait()
     mgr.close()
+
+
+def test_lazy_saves_on_two_ranks(tmp_path):
+    from pathlib import Path
+
+    from dist_helpers import run_world
+    from dist_worker import dec
+
+    d = tmp_path / "ck"
+    got = run_world("world_lazy", 2, tmp_path, {"dir": str(d)},
+                    worker=Path(__file__).with_name("dist_save_worker.py"), timeout=90)
+    for r in got:
+        assert r["lazy_bytes"] > 0
+        assert r["second"]["type"] == "CheckpointWriteError", r["second"]
+        assert r["steps"] == [1]
+    assert "'model/weight' was written in place" in got[1]["second"]["message"]
+    with pitstop.CheckpointManager(d, read_only=True) as reader:
+        saved = reader.load(1)["model"]["weight"]
+    np.testing.assert_array_equal(saved, dec(got[0]["before"]).numpy())
