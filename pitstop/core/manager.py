@@ -866,7 +866,11 @@ class CheckpointManager:
             if saved is not None:
                 saved(step, ctx)
         if self._auto is not None:
-            self._auto.update(stats.stall_s)
+            # a lazy save's cost is mostly its background copy (it competes with training
+            # and the next optimizer step may wait for it): the last finished one's duration
+            lazy_s = next((s.lazy_copy_s for s in reversed(self.stats[-8:]) if s.lazy_copy_s),
+                          0.0) if engine.lazy else 0.0
+            self._auto.update(stats.stall_s + lazy_s)
         if not self.async_save:
             handle.wait()  # raises the failure right here (and only here)
         return handle
