@@ -54,6 +54,22 @@ def check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best
         raise InvalidArgumentError("memory_tier must name a directory, got an empty path")
 
 
+#: the snapshot mode a manager uses when none is given (one line to flip, see docs/torch.md)
+DEFAULT_SNAPSHOT = "eager"
+SNAPSHOT_MODES = ("eager", "lazy")
+
+
+def check_snapshot(snapshot: Any) -> str:
+    """``snapshot`` is "eager" (copy everything at save()) or "lazy" (copy parameters and
+    optimizer state in the background until the next optimizer step)."""
+    if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
+        raise InvalidArgumentError(
+            f"snapshot must be 'eager' (copy the whole state inside save()) or 'lazy' (copy "
+            f"torch parameters and optimizer state in the background until the next "
+            f"optimizer step), got {snapshot!r}")
+    return snapshot
+
+
 def check_naming(step_prefix: Any, step_digits: Any) -> None:
     """Check ``step_prefix`` and ``step_digits`` (each None or a valid part of a
     :class:`~pitstop.core.names.Naming`); a bad one raises InvalidArgumentError naming it."""

@@ -37,6 +37,7 @@ from .coordination import CoordinationError, Coordinator, Holding, plan
 from .dtypes import encode_dtype, is_inexact
 from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
 from .hashing import new_hasher
+from .lazy import LAZY_MIN_BYTES, LazyCopy, LazyVersionError
 from .manifest import SHARD_MARK, ArrayEntry, Manifest, RankView, group_pieces, parse, piece_key
 from .snapshot import Layout, StagingBuffer, StagingPool
 from .storage import Storage
@@ -149,6 +150,12 @@ class SaveStats:
     #: bytes of arrays unchanged since the previous save, referenced instead of written
     #: (incremental checkpoints)
     reused_bytes: int = 0
+    #: snapshot="lazy": bytes copied in the background after save() returned, how long that
+    #: copy took from save(), and how long fences (the next optimizer step, the manager's
+    #: next call, a fork) waited for it on the caller's thread
+    lazy_bytes: int = 0
+    lazy_copy_s: float = 0.0
+    fence_wait_s: float = 0.0
     committed: bool = False
     skipped: str | None = None
     path: str | None = None
@@ -238,6 +245,9 @@ class PersistJob:
     failed: str | None = None
     #: seconds since the save before it was submitted (negative: the first of this engine)
     gap_s: float = -1.0
+    #: snapshot="lazy": the part of the copy still running on the copy threads (the persist
+    #: waits for it before hashing; the memory tier describes the buffer only then)
+    lazy: LazyCopy | None = None
 
 
 class Engine:
@@ -248,7 +258,8 @@ class Engine:
                  on_commit: Callable[[Manifest, str, SaveStats], None],
                  tier: Any = None, name_of: Callable[[int], str],
                  copy_threads: int | None = None, coordinator: Coordinator | None = None,
-                 encryption: Any = None, incremental: bool = False) -> None:
+                 encryption: Any = None, incremental: bool = False,
+                 lazy: bool = False) -> None:
         self.storage = storage
         #: incremental checkpoints: arrays unchanged since this engine's last commit are
         #: referenced, not written (the manager turns it off for multi-rank and encrypted saves)
@@ -270,7 +281,13 @@ class Engine:
         #: test hooks, each called with the step on the thread doing that part:
         #: before_snapshot (buffer acquired, nothing copied), before_persist, before_write,
         #: before_commit, after_commit (one-process saves); the catalog's before_delete
+        #: before_lazy_copy (on a copy thread, before a lazy copy starts), lazy_fence (on the
+        #: fencing thread, when a fence finds the copy unfinished)
         self.hooks: dict[str, Callable[..., Any]] = {}
+        #: snapshot="lazy": copy the leaves adapters mark ``lazy_safe`` after save() returns
+        self.lazy = lazy
+        #: lazy copies started by snapshot() and not yet submitted, by id of their buffer
+        self._deferred: dict[int, LazyCopy] = {}
         self._last_sig: list[Any] | None = None
         self._last_layout: Layout | None = None
         #: background failures nobody has been told of yet, oldest first
@@ -319,19 +336,36 @@ class Engine:
             if self.tier is not None and buf.shm_path is not None:
                 self.tier.invalidate(buf)
             fences = []
-            if buf.layout.total >= PARALLEL_COPY_MIN and self.copy_threads > 1:
-                self._copy_parallel(arrays, buf)
+            deferred: list[tuple[str, ArrayLeaf, np.ndarray]] = []
+            if self.lazy:
+                # copied now: what the next forward pass may write (buffers), numpy arrays,
+                # small arrays; the rest after save() returns (see pitstop.core.lazy)
+                eager: list[tuple[str, ArrayLeaf, np.ndarray]] = []
+                for k, leaf, view in zip(arrays, arrays.values(), buf.view_list, strict=True):
+                    later = leaf.lazy_safe and leaf.lazy_guard is not None and \
+                        leaf.nbytes >= LAZY_MIN_BYTES
+                    (deferred if later else eager).append((k, leaf, view))
+                leaves: Iterable[ArrayLeaf] = [leaf for _k, leaf, _v in eager]
+                views: Iterable[np.ndarray] = [v for _k, _leaf, v in eager]
+                keys: Iterable[str] = [k for k, _leaf, _v in eager]
+                now = sum(leaf.nbytes for _k, leaf, _v in eager)
             else:
-                for key, leaf, view in zip(arrays, arrays.values(), buf.view_list,  # noqa: B007
-                                           strict=True):
+                leaves, views, keys = arrays.values(), buf.view_list, arrays
+                now = buf.layout.total
+            if now >= PARALLEL_COPY_MIN and self.copy_threads > 1:
+                self._copy_parallel(leaves, views)
+            else:
+                for key, leaf, view in zip(keys, leaves, views, strict=True):  # noqa: B007
                     leaf.snapshot_into(view)
                 key = None
-            for leaf in arrays.values():
+            for leaf in leaves:
                 fence = leaf.snapshot_fence
                 if fence is not None and fence not in fences:
                     fences.append(fence)
             for fence in fences:
                 fence()
+            if deferred:
+                self._start_lazy(step, deferred, buf)
         except UnsupportedStateError as e:
             self.pool.release(buf)
             if key is None or str(e).startswith("state entry "):
@@ -352,12 +386,12 @@ class Engine:
         buf.step = step
         return buf
 
-    def _copy_parallel(self, arrays: dict[str, Any], buf: StagingBuffer) -> None:
+    def _copy_parallel(self, leaves: Iterable[ArrayLeaf], views: Iterable[np.ndarray]) -> None:
         """The snapshot copy on ``copy_threads`` threads (this one included): large contiguous
         numpy arrays are cut into chunks, everything else is copied whole. numpy and the
         frameworks release the GIL while copying, so the stall drops below one memcpy."""
         tasks: list[tuple[int, Callable[[], None]]] = []
-        for leaf, view in zip(arrays.values(), buf.view_list, strict=True):
+        for leaf, view in zip(leaves, views, strict=True):
             src = getattr(leaf, "array", None)
             if (type(leaf) is NumpyLeaf and leaf.nbytes > COPY_CHUNK and src is not None
                     and src.flags.c_contiguous and src.dtype == view.dtype):
@@ -388,12 +422,69 @@ class Engine:
         for f in futures:
             f.result()
 
+    def _start_lazy(self, step: int, deferred: list[tuple[str, ArrayLeaf, np.ndarray]],
+                    buf: StagingBuffer) -> None:
+        """Start the copy of ``deferred`` on the copy threads (see :mod:`pitstop.core.lazy`):
+        contiguous host arrays in chunks, so several threads (and a fence that finds the copy
+        unfinished) share one large tensor; each adapter's guard installs its fence."""
+        tasks: list[Callable[[], None]] = []
+        for key, leaf, view in deferred:
+            src = leaf.host_view()
+            if src is not None and leaf.nbytes > COPY_CHUNK and src.dtype == view.dtype:
+                flat_src, flat_dst = src.reshape(-1), view.reshape(-1)
+                n = max(1, COPY_CHUNK // src.dtype.itemsize)
+                for a in range(0, flat_src.size, n):
+                    tasks.append(partial(_lazy_task, key, step, np.copyto,
+                                         flat_dst[a:a + n], flat_src[a:a + n]))
+            else:
+                tasks.append(partial(_lazy_task, key, step, leaf.snapshot_into, view))
+        guards: list[Callable[[], None]] = []
+        for _k, leaf, _v in deferred:
+            guard = leaf.lazy_guard
+            if guard is not None and guard not in guards:
+                guards.append(guard)
+        try:
+            for guard in guards:
+                guard()  # before the copy starts: the next mutation waits for it
+        except Exception as e:  # noqa: BLE001 - an optimisation never fails a save
+            if self.lazy:
+                self.lazy = False
+                log.warning("pitstop: snapshot='lazy' steps aside: its fence could not be "
+                            "installed (%s: %s); this manager copies the whole state inside "
+                            "save() (snapshot='eager' silences this)", type(e).__name__, e)
+            for _k, leaf, view in deferred:
+                leaf.snapshot_into(view)
+            for leaf in {id(leaf): leaf for _k, leaf, _v in deferred}.values():
+                if leaf.snapshot_fence is not None:
+                    leaf.snapshot_fence()
+            return
+        copy = LazyCopy(step, tasks, [leaf for _k, leaf, _v in deferred],
+                        [k for k, _leaf, _v in deferred], hooks=self.hooks)
+        copy.register()
+        self._deferred[id(buf)] = copy  # launched by submit()
+
+    def release_snapshot(self, buf: StagingBuffer) -> None:
+        """Give back a snapshot that will not be submitted (its lazy copy finished first)."""
+        copy = self._deferred.pop(id(buf), None)
+        if copy is not None:
+            copy.started.set()  # never launched: this thread copies (a test hook or not)
+            copy.fence()
+            copy.retire()
+        self.pool.release(buf)
+
     def submit(self, job: PersistJob) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; the save was not taken")
         job.t_start = time.perf_counter()
         job.gap_s, self._last_submit = job.t_start - self._last_submit, job.t_start
-        if self.tier is not None and job.buffer is not None and \
+        if job.buffer is not None and job.lazy is None:
+            job.lazy = self._deferred.pop(id(job.buffer), None)
+        if job.lazy is not None:
+            job.lazy.stats = job.handle.stats
+            job.handle.stats.lazy_bytes = job.lazy.nbytes
+            if job.lazy.done.is_set():
+                job.handle.stats.lazy_copy_s = job.lazy.copy_s
+        if self.tier is not None and job.buffer is not None and job.lazy is None and \
                 job.buffer.shm_path is not None and job.hashes is None:
             # the snapshot is complete in shared memory: describe it now, before save()
             # returns, so a SIGKILL from here on loses nothing of it (same host and boot: a
@@ -405,6 +496,8 @@ class Engine:
         with self._lock:
             self._pending.append(job.handle)
         self._queue.put(job)
+        if job.lazy is not None and job.hashes is None:
+            job.lazy.launch(self._copier.submit, self.copy_threads - 1 or 1)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -547,6 +640,9 @@ class Engine:
                         # a skipped save must never come back from the memory tier
                         self._tier_call(self.tier.invalidate, job.buffer)
             finally:
+                if job.lazy is not None:
+                    job.lazy.done.wait()  # never hand out a buffer a copy still writes
+                    job.lazy.retire()
                 if job.release_buffer and job.buffer is not None:
                     self.pool.release(job.buffer)
             if manifest is not None:
@@ -585,6 +681,7 @@ class Engine:
         fused = self._fused(job)
         same: dict[str, tuple[ArrayEntry, int]] = {}
         if fused:
+            self._lazy_done(job)  # (a lazy copy completes first)
             if job.check_finite and not buffer_is_finite(buf):
                 raise _Skip("an array holds NaN or Inf (non-finite guard)")
             hashes: dict[str, str] = {}
@@ -627,6 +724,7 @@ class Engine:
             hook = self.hooks.get("before_commit")
             if hook is not None:
                 hook(job.step)
+            self._lazy_check(job)
             verify = getattr(self.storage, "verify_held", None)
             if verify is not None:
                 verify()  # the directory is still the one this writer locked
@@ -805,6 +903,7 @@ class Engine:
             results = self._map_all(lambda ig: self._write_group(
                 txn, buf, ig[0], ig[1], hashes, prefix=f"r{coord.rank:05d}-", cipher=cipher),
                 enumerate(groups))
+            self._lazy_check(job)
         except BaseException as e:  # noqa: BLE001
             failure = e
         t_written = time.perf_counter()
@@ -941,6 +1040,7 @@ class Engine:
         on); then the memory-tier copy is verifiable: it is sealed."""
         buf = job.buffer
         assert buf is not None
+        self._lazy_done(job)
         if job.hashes is None:
             # several ranks compare raw hashes to write replicated state once
             world = self.coordinator is not None
@@ -961,6 +1061,36 @@ class Engine:
             hook(job.step)
         return hashes, finite
 
+    def _lazy_done(self, job: PersistJob) -> None:
+        """Wait for the save's lazy copy; raise its failure. The memory tier describes the
+        snapshot only now that it is complete (a crash before this loses that save)."""
+        copy = job.lazy
+        if copy is None:
+            return
+        copy.done.wait()
+        job.handle.stats.lazy_copy_s = copy.copy_s
+        if copy.error is not None:
+            if isinstance(copy.error, LazyVersionError):
+                self._lazy_off()
+            raise copy.error
+        buf = job.buffer
+        if self.tier is not None and buf is not None and buf.shm_path is not None and \
+                job.hashes is None:
+            self._tier_call(self.tier.describe, buf, job)
+
+    def _lazy_check(self, job: PersistJob) -> None:
+        """Before the commit: no lazily copied array was written in place before the first
+        fence after its save (see :mod:`pitstop.core.lazy`)."""
+        if job.lazy is not None:
+            try:
+                job.lazy.check_final()
+            except LazyVersionError:
+                self._lazy_off()
+                raise
+
+    def _lazy_off(self) -> None:
+        self.lazy = False  # (the save's error says so: one message, not two)
+
     def _committed(self, job: PersistJob, location: str, t0: float, t_hashed: float,
                    t_write: float, t_written: float) -> None:
         buf = job.buffer
@@ -974,6 +1104,8 @@ class Engine:
         stats.total_s = t1 - job.t_start + stats.stall_s
         stats.committed = True
         stats.path = location
+        if job.lazy is not None:
+            stats.lazy_copy_s, stats.fence_wait_s = job.lazy.copy_s, job.lazy.fence_wait_s
         if self.tier is not None and buf.shm_path is not None:
             self._tier_call(self.tier.mark_committed, buf)
         log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
@@ -1156,6 +1288,18 @@ class _Previous:
     compression: str | None
     arrays: dict[str, tuple[str, ArrayEntry]]
     files: dict[tuple[str, str], int]
+
+
+def _lazy_task(key: str, step: int, fn: Callable[..., None], *args: Any) -> None:
+    """One piece of a lazy copy; a failure names the array."""
+    try:
+        fn(*args)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"the background (snapshot='lazy') copy of {key!r} for step {step} failed: "
+            f"{type(e).__name__}: {e}") from e
 
 
 class _Skip(CheckpointError):

@@ -33,11 +33,13 @@ import numpy as np
 
 from . import memtier as memtier_mod
 from .arguments import (
+    DEFAULT_SNAPSHOT,
     check_arguments,
     check_callables,
     check_incremental,
     check_naming,
     check_permissions,
+    check_snapshot,
     check_user_metadata,
     clean_metrics,
     open_directory,
@@ -66,6 +68,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .hashing import DEFAULT
+from .lazy import fence_all
 from .lifecycle import Resources, TierFallback, lost_signal_message
 from .manifest import Manifest
 from .memtier import MemoryTier
@@ -157,6 +160,7 @@ class CheckpointManager:
         permissions: int | None = 0o700,
         encryption: Any = None,
         incremental: bool = False,
+        snapshot: str = DEFAULT_SNAPSHOT,
     ) -> None:
         self._owner_pid = os.getpid()
         self._closed = False
@@ -166,6 +170,9 @@ class CheckpointManager:
         check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         check_callables(save_policy, retention, on_save)
+        #: "eager" or "lazy" (see :mod:`pitstop.core.lazy`); a synchronous manager waits for
+        #: the whole save anyway, so it copies eagerly
+        self.snapshot_mode = check_snapshot(snapshot)
         check_encryption_arg(encryption)
         check_incremental(incremental)
         #: encryption at rest (:class:`pitstop.Encryption`); None: plaintext checkpoints
@@ -351,7 +358,8 @@ class CheckpointManager:
                 writer_threads=writer_threads or min(4, os.cpu_count() or 2), pool=self.pool,
                 directory_id=self.directory_id, on_commit=self._catalog.committed, tier=tier,
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
-                encryption=encryption, incremental=incremental)
+                encryption=encryption, incremental=incremental,
+                lazy=snapshot == "lazy" and async_save)
             # a checkpoint leaving the directory is never referenced by the next save
             self._catalog.on_removed = self._engine.forget_previous
             self.hooks = self._engine.hooks
@@ -409,6 +417,7 @@ class CheckpointManager:
         """
         engine = self._writer()
         step = step_arg(step)
+        fence_all()  # a lazy copy still running: done before anything else (one list check)
         engine.raise_pending()
         clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
         if self._rolled_back_to is not None:
@@ -468,6 +477,7 @@ class CheckpointManager:
         boundary too: a pending SIGTERM/SIGINT is acted on right after it."""
         engine = self._writer()
         step = step_arg(step)
+        fence_all()
         engine.raise_pending()
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
@@ -527,6 +537,7 @@ class CheckpointManager:
         """The newest valid checkpoint (or ``step``) put into ``state``: from the memory tier
         when its snapshot is the one asked for, else from disk. ``detached``: a state made
         for ``load(target=...)``, whose root may be replaced (the new one: ``flat.root``)."""
+        fence_all()  # a lazy copy must read the state before the restore writes it
         recovered = self._recovered_at(step)
         from_memory = recovered is not None
         engine = self._engine
@@ -584,6 +595,7 @@ class CheckpointManager:
             if restored is None:
                 raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
             return flat.root
+        fence_all()
         recovered = self._recovered_at(step)
         if recovered is not None and (step is not None or self.latest_step() == recovered.step):
             return recovered.reader.load()
@@ -720,6 +732,7 @@ class CheckpointManager:
         reported (each is reported once)."""
         self._check_usable()
         timeout = check_timeout(timeout)
+        fence_all()
         if self._engine is not None:
             self._engine.drain(timeout)
             self._engine.raise_pending()
@@ -740,6 +753,7 @@ class CheckpointManager:
             if self._closed:
                 return
             self._closed = True
+        fence_all()
         self._finalizer.detach()
         error = self._res.release(False)
         if self._coord is not None and not isinstance(self._distributed, Coordinator):
@@ -857,7 +871,7 @@ class CheckpointManager:
         try:
             engine.submit(job)
         except BaseException:
-            self.pool.release(buf)
+            engine.release_snapshot(buf)
             raise
         ctx = self._ctx
         ctx.last_save_step = step
@@ -868,7 +882,11 @@ class CheckpointManager:
             if saved is not None:
                 saved(step, ctx)
         if self._auto is not None:
-            self._auto.update(stats.stall_s)
+            # a lazy save's cost is mostly its background copy (it competes with training
+            # and the next optimizer step may wait for it): the last finished one's duration
+            lazy_s = next((s.lazy_copy_s for s in reversed(self.stats[-8:]) if s.lazy_copy_s),
+                          0.0) if engine.lazy else 0.0
+            self._auto.update(stats.stall_s + lazy_s)
         if not self.async_save:
             handle.wait()  # raises the failure right here (and only here)
         return handle

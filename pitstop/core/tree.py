@@ -87,6 +87,22 @@ class ArrayLeaf:
     #: Called once after all ``snapshot_into`` of a save, to wait for asynchronous copies.
     snapshot_fence: Callable[[], None] | None = None
 
+    #: The adapter vouches that nothing writes this array between a save and the
+    #: framework's next optimizer step (torch parameters and optimizer state, never buffers
+    #: a forward pass updates): ``snapshot="lazy"`` may copy it in the background until then
+    #: (see :mod:`pitstop.core.lazy`).
+    lazy_safe = False
+    #: Called once per save that copies this leaf lazily, before the copy starts: installs
+    #: the framework's fence (torch: an optimizer step pre-hook calling
+    #: :func:`pitstop.core.lazy.fence_all`). Required with ``lazy_safe``.
+    lazy_guard: Callable[[], None] | None = None
+
+    def version(self) -> Any:
+        """A token every in-place write to the array changes (torch: ``Tensor._version``),
+        or None when there is none: a lazy save compares it to catch writes outside the
+        contract."""
+        return None
+
     def host_view(self) -> np.ndarray | None:
         """A writable, C-contiguous numpy view of the live buffer, or None if there is none."""
         return None

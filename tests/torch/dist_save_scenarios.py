@@ -233,3 +233,45 @@ def expected_ddp(rank: int, steps: int) -> dict[str, Any]:
         train_step(state["model"], state["opt"], seed=s)
     return model_record(state["model"], state["opt"])
 
+
+
+@scenario
+def world_lazy(ctx: Ctx) -> dict[str, Any]:
+    """snapshot="lazy" on every rank: step 1 saved while the optimizer steps at once (the
+    step waits for the copy); step 2 with an in-place write on rank 1 during its copy (a
+    write outside the contract): no rank commits it."""
+    import threading
+
+    import pitstop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 128)  # a 64 KiB weight: copied lazily
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.ones(4, 128)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    state = {"model": model, "opt": opt}
+    out: dict[str, Any] = {}
+    with pitstop.CheckpointManager(ctx.args["dir"], distributed=coordinator(),
+                                   save_on_signals=None, memory_tier=False,
+                                   snapshot="lazy") as mgr:
+        out["before"] = enc(model.weight.detach())
+        h = mgr.save(1, state)
+        out["lazy_bytes"] = h.stats.lazy_bytes
+        step()  # fenced: waits for the copy
+        h.wait()
+        go = threading.Event()
+        if ctx.rank == 1:
+            mgr.hooks["before_lazy_copy"] = lambda s: go.wait(30)
+        h2 = mgr.save(2, state)
+        if ctx.rank == 1:
+            with torch.no_grad():
+                model.weight.mul_(2)
+            go.set()
+        out["second"] = error_of(h2.wait)
+        out["steps"] = mgr.all_steps()
+    return out

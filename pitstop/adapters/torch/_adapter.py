@@ -53,18 +53,30 @@ def clean_key(key: str) -> str:
     return ".".join(p for p in key.split(".") if p != _WRAPPER)
 
 
-def _wrap(tree: Any, where: str) -> Any:
+def _wrap(tree: Any, where: str, lazy_safe: bool = False) -> Any:
     """Copy the containers of ``tree`` with every tensor replaced by a TensorLeaf; each copy
-    keeps its container's type (see :func:`_like`)."""
+    keeps its container's type (see :func:`_like`). ``lazy_safe``: only the optimizer's step
+    writes these tensors (see :func:`lazy_leaf`)."""
     if isinstance(tree, torch.Tensor):
-        return tensor_leaf(tree, where)
+        leaf = tensor_leaf(tree, where)
+        return lazy_leaf(leaf) if lazy_safe else leaf
     if isinstance(tree, Mapping):
-        return _like(tree, [(k, _wrap(v, f"{where}/{k}" if where else str(k)))
+        return _like(tree, [(k, _wrap(v, f"{where}/{k}" if where else str(k), lazy_safe))
                             for k, v in tree.items()])
     if isinstance(tree, (list, tuple)):
-        return _like(tree, [_wrap(v, f"{where}/{i}" if where else str(i))
+        return _like(tree, [_wrap(v, f"{where}/{i}" if where else str(i), lazy_safe)
                             for i, v in enumerate(tree)])
     return tree
+
+
+def lazy_leaf(leaf: TensorLeaf) -> TensorLeaf:
+    """Mark ``leaf`` as one ``snapshot="lazy"`` may copy after save() returns: a parameter or
+    an optimizer state tensor, which only ``optimizer.step()`` writes (the forward and
+    backward passes do not), and a step waits for the copy. A DTensor's shards stay eager,
+    and so does an inference tensor (it has no version counter to catch writes with)."""
+    if type(leaf) is TensorLeaf and not leaf.tensor.is_inference():
+        leaf.lazy_safe = True
+    return leaf
 
 
 def _unwrap(tree: Any) -> Any:
@@ -138,7 +150,9 @@ class TensorAdapter:
         return isinstance(obj, torch.Tensor)
 
     def capture(self, obj: torch.Tensor) -> Any:
-        return tensor_leaf(obj)
+        leaf = tensor_leaf(obj)
+        # a parameter placed in the state by itself is still written by optimizer steps only
+        return lazy_leaf(leaf) if isinstance(obj, nn.Parameter) else leaf
 
     def apply(self, obj: torch.Tensor, tree: Any) -> None:
         if isinstance(tree, np.ndarray):  # not restored in place: copy it in
@@ -157,7 +171,11 @@ class ModuleAdapter:
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             key = clean_key(key)
-            out[key] = tensor_leaf(value, key) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, nn.Parameter):
+                out[key] = lazy_leaf(tensor_leaf(value, key))  # buffers: copied at save()
+            else:
+                out[key] = tensor_leaf(value, key) if isinstance(value, torch.Tensor) \
+                    else value
         return out
 
     def replaceable(self, obj: nn.Module) -> list[str]:
@@ -278,7 +296,14 @@ class OptimizerAdapter:
         return isinstance(obj, torch.optim.Optimizer)
 
     def capture(self, obj: torch.optim.Optimizer) -> dict[str, Any]:
-        return _wrap(obj.state_dict(), "")  # type: ignore[no-any-return]
+        sd = obj.state_dict()
+        # the per-parameter state: written by step() only. Tensor hyper-parameters in
+        # param_groups (a tensor lr a scheduler fills in place) are copied at save()
+        out = _wrap({k: v for k, v in sd.items() if k != "state"}, "")
+        if "state" in sd:
+            out["state"] = _wrap(sd["state"], "state", lazy_safe=True)
+            out = {k: out[k] for k in sd}  # the state dict's own order
+        return out  # type: ignore[no-any-return]
 
     def check(self, obj: torch.optim.Optimizer, tree: Any) -> None:
         """What ``Optimizer.load_state_dict`` validates: the number of parameter groups and

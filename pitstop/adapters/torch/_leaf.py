@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pitstop.core.errors import UnsupportedStateError
+from pitstop.core.lazy import fence_all
 from pitstop.core.tree import ArrayLeaf
 
 log = logging.getLogger("pitstop")
@@ -145,6 +146,21 @@ class TensorLeaf(ArrayLeaf):
         self.shape = tuple(int(s) for s in tensor.shape)
         self.dtype = numpy_dtype(tensor.dtype, where)
         self.snapshot_fence: Callable[[], None] | None = None
+        #: set by the adapters for parameters and optimizer state (see ``lazy_guard``)
+        self.lazy_safe = False
+
+    # ------------------------------------------------------------------ lazy snapshot
+    @staticmethod
+    def lazy_guard() -> None:
+        """Every optimizer step waits for pending lazy copies (see :func:`install_fence`)."""
+        install_fence()
+
+    def version(self) -> Any:
+        """``(_version, data_ptr)``: an in-place write (``p.mul_``, ``copy_``,
+        ``load_state_dict``) bumps the first, ``p.data = x`` changes the second. Writes
+        through ``p.data`` bump neither (torch gives ``.data`` its own counter)."""
+        t = self.tensor
+        return (t._version, t.data_ptr())
 
     # ------------------------------------------------------------------ save
     def snapshot_into(self, out: np.ndarray) -> None:
@@ -234,6 +250,27 @@ def _has_internal_overlap(t: torch.Tensor) -> bool:
             return True
         extent = stride * (size - 1) + extent
     return False
+
+
+# ---------------------------------------------------------------------- lazy snapshot
+_fence_installed = [False]
+
+
+def _optimizer_fence(optimizer: Any, args: Any, kwargs: Any) -> None:
+    fence_all()
+
+
+def install_fence() -> None:
+    """Install, once per process, a global ``torch.optim`` step pre-hook that waits for every
+    pending lazy copy (``GradScaler.step`` calls ``optimizer.step``, so it waits too). It
+    stays installed (a no-op check of an empty list when nothing is pending): removing it
+    while another thread iterates torch's hook dict would break that thread's step."""
+    if _fence_installed[0]:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_optimizer_fence)
+    _fence_installed[0] = True
 
 
 # ---------------------------------------------------------------------- CUDA
