@@ -118,6 +118,9 @@ class MemoryTier:
         self._boot = boot_id()
         self._layout_of: Any = None
         self._layout_json = ""
+        #: path -> the description this process wrote there last (mark_committed starts
+        #: from it)
+        self._texts: dict[str, str] = {}
         # the real path is part of the name: a copied run directory keeps its directory_id,
         # and must not share (and truncate) the original's live buffers
         where = hashlib.sha1((self.directory + part).encode()).hexdigest()[:8]
@@ -228,10 +231,21 @@ class MemoryTier:
             "created_unix": job.created_unix,
         }
         text = json.dumps(head, separators=(",", ":"))
-        self._write_text(self.meta_path(buf), text[:-1] + ',"layout":' + self._layout_json + "}")
+        path = self.meta_path(buf)
+        text = text[:-1] + ',"layout":' + self._layout_json + "}"
+        self._write_text(path, text)
+        self._texts[path] = text
 
     def mark_committed(self, buf: StagingBuffer) -> None:
         path = self.meta_path(buf)
+        last = self._texts.pop(path, None)
+        if last is not None and self._own(path):
+            # the description this process wrote last (the seal): marked committed from
+            # its text, without reading back and re-encoding one entry per array. Every
+            # string in it is JSON-escaped, so only the key itself reads ',"committed":false,'
+            self._write_text(path, last.replace(',"committed":false,',
+                                                   ',"committed":true,', 1))
+            return
         meta = self.read_description(path)
         if not isinstance(meta, dict):
             return
