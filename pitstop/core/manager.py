@@ -93,7 +93,7 @@ from .signals import (
 )
 from .snapshot import StagingPool
 from .storage import Storage
-from .tree import FlatState, flatten
+from .tree import FlatState, FlattenCache, flatten
 
 log = logging.getLogger("pitstop")
 
@@ -196,6 +196,9 @@ class CheckpointManager:
         #: ... and those newer checkpoints, hidden from this manager until they are moved
         self._abandoned: set[int] = set()
         self._warned: set[str] = set()
+        #: the leaves of the last save's big dicts of arrays, reused while they hold the
+        #: same arrays (many small tensors: see tree.FlattenCache)
+        self._flatten_cache = FlattenCache()
         #: one save (its checks, snapshot and submit) or close at a time, across threads
         self._api_lock = threading.RLock()
 
@@ -725,6 +728,7 @@ class CheckpointManager:
             if self._closed:
                 return
             self._closed = True
+        self._flatten_cache.clear()  # (it references the last save's arrays)
         self._finalizer.detach()
         error = self._res.release(False)
         if self._coord is not None and not isinstance(self._distributed, Coordinator):
@@ -809,7 +813,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         try:
             with _no_gc():  # the cyclic GC would rescan the heap while we allocate leaves
-                flat = flatten(state, self._resolve)
+                flat = flatten(state, self._resolve, self._flatten_cache)
                 if flat.caveats:
                     self._warn_caveats(flat)
                 values = flat.encoded  # made now: later changes to the state are not saved
