@@ -204,6 +204,52 @@ class CheckpointReader:
                                 f"{h.hexdigest()} (the bytes on disk changed)")
         return out
 
+    def read_plain_run(self, items: list[tuple[str, ArrayEntry, np.ndarray]],
+                       written: Callable[[str], None]) -> None:
+        """Many small arrays of one data file into their targets, as :meth:`read_array`
+        reads each, at a fraction of its cost per array: one read per window of them, then
+        each copied in from the window and its hash checked. ``items``: ``(key, entry,
+        out)`` in ascending offsets, each stored whole and plain (uncompressed,
+        unencrypted, at most :data:`SMALL` bytes) into ``out``, C-contiguous of exactly its
+        bytes; ``written(key)`` is called as each target is written to (before its check,
+        as a caller of ``read_array`` counts a target that a failed read partly wrote)."""
+        make = new_hasher(self.manifest.hash_algorithm).__class__
+        empty = np.empty(0, np.uint8)
+        window = empty
+        i, n = 0, len(items)
+        while i < n:
+            first = items[i][1]
+            start = end = first.offset
+            j = i
+            while j < n:
+                e = items[j][1]
+                stop = e.offset + e.length
+                if e.offset < start or stop - start > WINDOW:
+                    break
+                end = max(end, stop)
+                j += 1
+            if window.size < end - start:
+                window = np.empty(WINDOW, np.uint8)
+            buf = window[:end - start]
+            try:
+                got = self._read(first, start, buf)
+            except CheckpointError:
+                written(items[i][0])  # as read_array's caller: the entry being read
+                raise
+            for key, entry, out in items[i:j]:
+                a = entry.offset - start
+                raw = out.reshape(-1).view(np.uint8) if out.size else empty
+                written(key)
+                if a + entry.length > got:
+                    raise self._corrupt(key, entry, "the data file ends early (truncated)")
+                raw[:] = buf[a:a + entry.length]
+                h = make()
+                h.update(raw)
+                if h.hexdigest() != entry.hash:
+                    raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, "
+                                        f"found {h.hexdigest()} (the bytes on disk changed)")
+            i = j
+
     def _read_encrypted(self, key: str, entry: ArrayEntry, raw: np.ndarray, h: Any) -> None:
         """Decrypt one stored array segment by segment (straight into ``raw`` when it is not
         compressed), then check the stored bytes' hash (see :mod:`.crypto`)."""
@@ -367,8 +413,12 @@ class CheckpointReader:
         shape and dtype declare, as its stored frame header says: an edited manifest
         claiming more is corruption, found with one small read per array."""
         whole = self.manifest.arrays
-        items = [(k, p) for k in (whole if keys is None else keys) if k in whole
-                 for p in whole[k].parts if p.codec != "none"]
+        if keys is None:  # (every entry: the plain ones, most of them, skipped cheaply)
+            items = [(k, p) for k, e in whole.items() if e.codec != "none" or e.shards
+                     for p in e.parts if p.codec != "none"]
+        else:
+            items = [(k, p) for k in keys if k in whole
+                     for p in whole[k].parts if p.codec != "none"]
         if not items:
             return
 
