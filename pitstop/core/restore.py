@@ -773,18 +773,13 @@ class RestorePlan:
         return err
 
 
-#: a data file holding at least this many small plain arrays to restore reads them in runs
-RUN_MIN = 64
-RUN_MAX = 4096
-
-
 def _batched(todo: list[tuple[str, Any, ArrayEntry]], reader: CheckpointReader) -> list[Any]:
     """``todo`` (sorted by where each entry starts) with the small arrays stored plain
     (uncompressed, unencrypted, whole) that go straight into a live buffer gathered in
     runs of one data file, ``([(key, entry, view), ...], first entry)``: read by
     :meth:`CheckpointReader.read_plain_run` a window at a time (100,000 small tensors cost
     a few large reads and a short loop step each); the rest stay one item each."""
-    from .reader import SMALL
+    from .reader import RUN_MAX, RUN_MIN, SMALL
     if len(todo) < RUN_MIN or reader._cipher is not None:
         return todo
     out: list[Any] = []

@@ -167,3 +167,31 @@ def test_restore_of_many_small_arrays_is_exact_and_names_a_corrupt_one(tmp_path)
     assert err.key == "p/w150" and "hash mismatch" in str(err)
     assert "p/w149" in err.overwritten and "p/w150" in err.overwritten
     assert "p/w151" not in err.overwritten
+
+
+def test_load_and_verify_of_many_small_arrays_are_exact_and_find_a_corrupt_one(tmp_path):
+    from pitstop.core.reader import CheckpointReader
+    from pitstop.core.storage.local import LocalStorage
+    d = tmp_path / "ck"
+    state = many()
+    state["p"]["big"] = np.arange(300_000, dtype=np.float64)  # (over SMALL: read alone)
+    with open_mgr(d, writer_threads=2) as mgr:
+        mgr.save(1, state).wait()
+        got = mgr.load()
+    assert sorted(got["p"]) == sorted(state["p"]) and got["step"] == 0
+    for k, a in state["p"].items():
+        assert got["p"][k].dtype == a.dtype
+        np.testing.assert_array_equal(got["p"][k], a, err_msg=k)
+    CheckpointReader(LocalStorage(str(d)), step_name(1)).verify()
+    ck = d / step_name(1)
+    entry = json.loads((ck / "manifest.json").read_text())["arrays"]["p/w77"]
+    with open(ck / entry["file"], "r+b") as f:
+        f.seek(entry["offset"] + entry["length"] - 1)
+        byte = f.read(1)
+        f.seek(entry["offset"] + entry["length"] - 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(pitstop.CorruptCheckpointError, match="hash mismatch") as info:
+        CheckpointReader(LocalStorage(str(d)), step_name(1)).verify()
+    assert info.value.key == "p/w77"
+    with pytest.raises(pitstop.CorruptCheckpointError, match="'p/w77'"):
+        CheckpointReader(LocalStorage(str(d)), step_name(1)).load()
