@@ -167,17 +167,21 @@ def measure(state: dict[str, Any], root: str, repeat: int, profile: str | None,
     return out
 
 
-def memory(state: dict[str, Any], root: str, saves: int) -> tuple[int, int]:
+def memory(state: dict[str, Any], root: str, saves: int) -> tuple[int, int, int]:
+    """RSS after save 10, after the middle save and after the last one."""
     d = os.path.join(root, "memory")
-    at10 = 0
+    at10 = mid = 0
     with pitstop.CheckpointManager(d, keep_last=1) as mgr:
         for step in range(saves):
             mgr.save(step, state).wait()
             if step == 9:
                 gc.collect()
                 at10 = rss()
+            if step == saves // 2 - 1:
+                gc.collect()
+                mid = rss()
         gc.collect()
-        return at10, rss()
+        return at10, mid, rss()
 
 
 def main() -> None:
@@ -204,7 +208,7 @@ def main() -> None:
                 continue
             a = measure(many, root, args.repeat, args.profile, f"{kind}-many")
             if args.memory:
-                at10, at_n = memory(many, root, args.memory)
+                at10, mid, at_n = memory(many, root, args.memory)
             del many
             gc.collect()
             few = make(args.few, total // args.few)
@@ -225,7 +229,8 @@ def main() -> None:
             print(f"| stall / copy loop of the same tensors | {a['save() wall'] / a['copy loop']:.2f}"
                   f" | {b['save() wall'] / b['copy loop']:.2f} | |")
             if args.memory:
-                print(f"\nRSS after save 10: {at10 / 2**20:.1f} MiB; after save {args.memory}: "
+                print(f"\nRSS after save 10: {at10 / 2**20:.1f} MiB; after save "
+                      f"{args.memory // 2}: {mid / 2**20:.1f} MiB; after save {args.memory}: "
                       f"{at_n / 2**20:.1f} MiB (growth {(at_n - at10) / 2**20:+.1f} MiB)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
