@@ -256,6 +256,9 @@ class FlatState:
 
 
 # --------------------------------------------------------------------------- values
+_SCALARS = SCALAR_TYPES + (bytes,)
+
+
 def _is_array_like(obj: Any) -> bool:
     return isinstance(obj, (np.ndarray, np.generic, ArrayLeaf))
 
@@ -272,11 +275,12 @@ class _BadNesting(Exception):
 def contains_array(obj: Any, resolve: Callable[[Any], Any] | None, _depth: int = 0,
                    _open: set[int] | None = None) -> bool:
     """True when ``obj`` holds an array anywhere (or an object an adapter handles)."""
-    if _is_array_like(obj):
+    plain = type(obj) is dict or type(obj) is list  # (neither an array nor a scalar)
+    if not plain and _is_array_like(obj):
         return True
-    if isinstance(obj, SCALAR_TYPES + (bytes,)):
+    if not plain and isinstance(obj, _SCALARS):
         return False
-    if isinstance(obj, (Mapping, list, tuple)):
+    if plain or isinstance(obj, (Mapping, list, tuple)):
         if _depth >= MAX_DEPTH:
             raise _BadNesting("deep")
         if _open is None:
@@ -564,6 +568,10 @@ class _Flattener:
         if type(obj) is np.ndarray:  # the common leaf first
             flat.arrays[path or "<root>"] = NumpyLeaf(obj)
             return 0
+        if type(obj) is dict:  # then the common container (a plain dict is no leaf)
+            if depth >= MAX_DEPTH:
+                raise _too_deep(path)
+            return self._container(obj, path, parent, key, depth)
         if isinstance(obj, ArrayLeaf):
             flat.arrays[_leaf_path(path)] = obj
             if obj.sharded:
@@ -588,29 +596,7 @@ class _Flattener:
             raise _too_deep(path)
         if isinstance(obj, (Mapping, list, tuple)) and not (
                 type(obj) is not dict and _frozen_mapping(obj) and self._adapted(obj)):
-            if id(obj) in self.open:
-                raise UnsupportedStateError(
-                    f"state entry {_where(path)} contains itself (a reference cycle); "
-                    "pitstop saves trees, not graphs")
-            try:
-                has_arrays = contains_array(obj, self.resolve, depth)
-            except _BadNesting as e:
-                raise _nesting_error(e, path) from None
-            if not has_arrays and depth > 0:
-                # a subtree without arrays is one value leaf (JSON); the root container is
-                # always walked, so its entries are matched key by key on restore
-                return _value(obj, path, flat, parent, key)
-            self.open.add(id(obj))
-            try:
-                if isinstance(obj, Mapping):
-                    return self._mapping(obj, path, depth)
-                subs = [self.walk(v, join(path, i), obj, i, depth + 1) for i, v in enumerate(obj)]
-            finally:
-                self.open.discard(id(obj))
-            if isinstance(obj, tuple):
-                flat.tuples[id(obj)] = (path, parent, key)
-                return {"$t": subs}
-            return {"$l": subs}
+            return self._container(obj, path, parent, key, depth)
         adapter = self.resolve(obj) if self.resolve is not None else None
         if adapter is None:
             # raises a clear UnsupportedStateError
@@ -642,6 +628,33 @@ class _Flattener:
         tag = getattr(adapter, "type_tag", None)
         name = tag(obj) if tag is not None else None
         return {"$o": sub, "$type": name} if name else {"$o": sub}
+
+    def _container(self, obj: Any, path: str, parent: Any, key: Any, depth: int) -> Any:
+        """A dict, list or tuple: a value leaf when it holds no array, else walked."""
+        flat = self.flat
+        if id(obj) in self.open:
+            raise UnsupportedStateError(
+                f"state entry {_where(path)} contains itself (a reference cycle); "
+                "pitstop saves trees, not graphs")
+        try:
+            has_arrays = contains_array(obj, self.resolve, depth)
+        except _BadNesting as e:
+            raise _nesting_error(e, path) from None
+        if not has_arrays and depth > 0:
+            # a subtree without arrays is one value leaf (JSON); the root container is
+            # always walked, so its entries are matched key by key on restore
+            return _value(obj, path, flat, parent, key)
+        self.open.add(id(obj))
+        try:
+            if isinstance(obj, Mapping):
+                return self._mapping(obj, path, depth)
+            subs = [self.walk(v, join(path, i), obj, i, depth + 1) for i, v in enumerate(obj)]
+        finally:
+            self.open.discard(id(obj))
+        if isinstance(obj, tuple):
+            flat.tuples[id(obj)] = (path, parent, key)
+            return {"$t": subs}
+        return {"$l": subs}
 
     def _adapted(self, obj: Any) -> bool:
         """An immutable mapping an adapter rebuilds (a Flax FrozenDict): not walked as a
