@@ -549,6 +549,8 @@ def flatten(state: Any, resolve: Resolver | None = None,
     flat = FlatState(root=state)
     walker = _Flattener(flat, resolve)
     walker.cache = cache
+    if cache is not None:
+        cache.next = {}  # (what a flatten that raised had begun)
     flat.structure = walker.walk(state, "", None, None, 0)
     if cache is not None:
         cache.last, cache.next = cache.next, {}
