@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError, InvalidArgumentError
-from .manifest import Manifest
+from .manifest import Manifest, peek_header
 from .names import DEFAULT, Naming
 from .policy import CheckpointInfo, RetentionPolicy, to_delete
 from .reader import CheckpointReader
@@ -404,12 +404,32 @@ class Catalog:
     def _written_here(self, step: int) -> bool:
         """True when the checkpoint's own manifest names this directory's id (checked right
         before retention deletes it: pitstop never deletes what it did not write)."""
+        if self.encryption is None:
+            head = self._header(step)
+            if head is not None:
+                return bool(self.directory_id) and head["directory_id"] == self.directory_id
         try:
             m = CheckpointReader(self.storage, self.naming.name(step), naming=self.naming,
                                  encryption=self.encryption).manifest
         except (CheckpointError, OSError):
             return False
         return bool(self.directory_id) and m.directory_id == self.directory_id
+
+    def _header(self, step: int) -> dict[str, Any] | None:
+        """The leading fields of a plaintext checkpoint's manifest, seal checked, when they
+        are of the step its name holds; ``{"directory_id": None}`` (not ours) when it cannot
+        be read or its seal fails; None when only a whole parse can tell (see
+        :func:`~pitstop.core.manifest.peek_header`)."""
+        from .storage.local import MANIFEST
+        name = self.naming.name(step)
+        try:
+            head = peek_header(self.storage.read_bytes(name, MANIFEST),
+                               self.storage.path_of(name))
+        except (CheckpointError, OSError):
+            return {"directory_id": None}
+        if head is not None and self.naming.parse(name) not in (None, head["step"]):
+            return {"directory_id": None}  # renamed or copied in under another step
+        return head
 
     def delete(self, step: int) -> None:
         """Delete one committed checkpoint this directory's runs wrote (an explicit request:

@@ -98,7 +98,7 @@ from .signals import (
 from .snapshot import StagingPool
 from .storage import Storage
 from .storage.staged import StagedStorage
-from .tree import FlatState, flatten
+from .tree import FlatState, FlattenCache, flatten
 
 log = logging.getLogger("pitstop")
 
@@ -207,6 +207,9 @@ class CheckpointManager:
         #: ... and those newer checkpoints, hidden from this manager until they are moved
         self._abandoned: set[int] = set()
         self._warned: set[str] = set()
+        #: the leaves of the last save's big dicts of arrays, reused while they hold the
+        #: same arrays (many small tensors: see tree.FlattenCache)
+        self._flatten_cache = FlattenCache()
         #: one save (its checks, snapshot and submit) or close at a time, across threads
         self._api_lock = threading.RLock()
 
@@ -754,6 +757,7 @@ class CheckpointManager:
                 return
             self._closed = True
         fence_all()
+        self._flatten_cache.clear()  # (it references the last save's arrays)
         self._finalizer.detach()
         error = self._res.release(False)
         if self._coord is not None and not isinstance(self._distributed, Coordinator):
@@ -838,7 +842,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         try:
             with _no_gc():  # the cyclic GC would rescan the heap while we allocate leaves
-                flat = flatten(state, self._resolve)
+                flat = flatten(state, self._resolve, self._flatten_cache)
                 if flat.caveats:
                     self._warn_caveats(flat)
                 values = flat.encoded  # made now: later changes to the state are not saved

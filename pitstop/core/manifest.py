@@ -7,12 +7,14 @@ with :class:`UnsupportedFormatError`. ``docs/format.md`` is the specification.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import re
 import sys
 import threading
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,42 @@ class ArrayEntry:
         return self.shards if self.shards is not None else [self]
 
 
+def _arrays_json(arrays: dict[str, ArrayEntry]) -> str:
+    """``json.dumps({k: e.to_json() ...}, separators=(",", ":"))``, made faster for the
+    common entry (a whole array, uncompressed, plain ints and strings): a checkpoint of
+    many small tensors has as many entries, written at every save."""
+    from json.encoder import encode_basestring_ascii as quote
+    quoted: dict[Any, str] = {}  # dtype descriptors and file names, each quoted once
+    shapes: dict[tuple[Any, ...], str | None] = {}  # each shape's JSON (None: not plain ints)
+    parts = []
+    for k, e in arrays.items():
+        dt, fname, shape, off, n, h = e.dtype, e.file, e.shape, e.offset, e.length, e.hash
+        if (e.codec == "none" and e.index is None and e.shards is None and e.ref is None
+                and type(dt) is str
+                and type(fname) is str and type(h) is str and type(off) is int
+                and type(n) is int and type(shape) is list):
+            key = tuple(shape)
+            js = shapes.get(key, False)
+            if js is False:
+                js = shapes[key] = "[" + ",".join(map(str, shape)) + "]" if all(
+                    type(x) is int for x in shape) else None
+            qd = quoted.get(dt)
+            if qd is None:
+                qd = quoted[dt] = quote(dt)
+            qf = quoted.get(fname)
+            if qf is None:
+                qf = quoted[fname] = quote(fname)
+        else:
+            js = None
+        if js is not None:
+            parts.append(f'{quote(k)}:{{"dtype":{qd},"shape":{js},"file":{qf},"offset":{off},'
+                         f'"length":{n},"hash":{quote(h)}}}')
+        else:
+            parts.append(quote(k) + ":" + json.dumps(e.to_json(), separators=(",", ":"),
+                                                     allow_nan=False))
+    return "{" + ",".join(parts) + "}"
+
+
 def piece_key(key: str, index: tuple[tuple[int, int], ...]) -> str:
     """The engine's key for one shard of the array ``key`` (see :data:`SHARD_MARK`)."""
     return key + SHARD_MARK + ",".join(f"{a}:{b}" for a, b in index)
@@ -184,9 +222,6 @@ class Manifest:
             "all_finite": self.all_finite,
             "user_metadata": encode_value(self.user_metadata),
             "files": {name: {"length": n} for name, n in self.files.items()},
-            "arrays": {k: e.to_json() for k, e in self.arrays.items()},
-            "values": self.values,
-            "structure": self.structure,
         }
         if self.refs:
             if self.encryption is not None:
@@ -194,17 +229,23 @@ class Manifest:
             doc["format_version"] = INCREMENTAL_VERSION
             doc["refs"] = {h: {f: {"length": n} for f, n in fs.items()}
                            for h, fs in self.refs.items()}
+        # the arrays section is written by _arrays_json (the same text json.dumps makes,
+        # without a dict per entry first); what follows it, as the document orders it
+        rest: dict[str, Any] = {"values": self.values, "structure": self.structure}
         if self.world > 1:
-            doc["world"] = {"size": self.world, "ranks": [{}] + [r.to_json() for r in self.ranks]}
+            rest["world"] = {"size": self.world,
+                             "ranks": [{}] + [r.to_json() for r in self.ranks]}
         if self.encryption is not None:
             doc["format_version"] = ENCRYPTED_VERSION
-            doc["encryption"] = self.encryption
+            rest["encryption"] = self.encryption
             if sealer is None:
                 raise ValueError("an encrypted manifest is sealed with its key: pass the sealer")
-            return bytes(sealer.seal(json.dumps(doc, separators=(",", ":"),
-                                                allow_nan=False).encode()))
-        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        return seal(body, self.hash_algorithm)
+        text = (json.dumps(doc, separators=(",", ":"), allow_nan=False)[:-1]
+                + ',"arrays":' + _arrays_json(self.arrays) + ","
+                + json.dumps(rest, separators=(",", ":"), allow_nan=False)[1:])
+        if self.encryption is not None:
+            return bytes(sealer.seal(text.encode()))
+        return seal(text.encode(), self.hash_algorithm)
 
     @property
     def nbytes(self) -> int:
@@ -315,6 +356,48 @@ def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
             checkpoint=where, file="manifest.json")
 
 
+#: the fields a plaintext manifest starts with, in the order pitstop writes them
+_HEAD = ("format", "format_version", "step", "created_unix", "directory_id", "writer",
+         "hash_algorithm")
+
+
+def peek_header(data: bytes, where: str) -> dict[str, Any] | None:
+    """The leading fields of a plaintext manifest (format to hash_algorithm: whose it is,
+    of which step), its seal checked over all of its bytes, without decoding its entries:
+    retention asks this of every checkpoint it deletes, and a manifest of 100,000 tensors
+    takes half a second to decode whole. None when the manifest does not start as pitstop
+    writes one (encrypted, edited by hand, another writer): the caller then parses it whole.
+    Raises :class:`CorruptCheckpointError` when the seal does not hold."""
+    try:
+        text = data[:1 << 16].decode("utf-8", "ignore")
+        digest = data[data.rindex(_HASH_KEY) + len(_HASH_KEY):-2].decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not text.startswith("{") or not data.endswith(b'"}'):
+        return None
+    decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+    head: dict[str, Any] = {}
+    pos = 1
+    try:
+        for name in _HEAD:
+            lead = f'"{name}":'
+            if not text.startswith(lead, pos):
+                return None
+            head[name], pos = decoder.raw_decode(text, pos + len(lead))
+            if not text.startswith(",", pos):
+                return None
+            pos += 1
+    except (ValueError, RecursionError):
+        return None
+    version = head["format_version"]
+    if head["format"] != FORMAT or type(version) is not str or not _VERSION.fullmatch(version) \
+            or not 1 <= int(version.split(".")[0]) <= MAJOR or type(head["step"]) is not int:
+        return None
+    check_seal(data, {"manifest_hash": digest, "format_version": version,
+                      "hash_algorithm": head["hash_algorithm"]}, where)
+    return head
+
+
 def _not_json(word: str) -> Any:
     """``NaN``, ``Infinity``, ``-Infinity``: Python's json reads them, JSON has no such
     thing (pitstop writes a non-finite float as ``{"$float": "nan"}``)."""
@@ -336,12 +419,14 @@ def parse(data: bytes, where: str, encryption: Any = None, naming: Naming | None
     encrypted one needs ``encryption`` (its key) to check its HMAC seal. ``naming``: the
     directory's, so that each referenced checkpoint (``refs``) must be one of its
     checkpoints of an older step (without it, only the form of those names is checked)."""
-    if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
-        # a caller deep in its own stack: the nesting of a valid manifest must not run into
-        # the recursion limit and be taken for corruption, so it is read on a fresh stack
-        m = on_fresh_stack(_parse, data, where, encryption)
-    else:
-        m = _parse(data, where, encryption)
+    with gc_paused():
+        if deeper_than(sys.getrecursionlimit() - PARSE_FRAMES):
+            # a caller deep in its own stack: the nesting of a valid manifest must not run
+            # into the recursion limit and be taken for corruption, so it is read on a
+            # fresh stack
+            m = on_fresh_stack(_parse, data, where, encryption)
+        else:
+            m = _parse(data, where, encryption)
     if naming is not None and m.refs:
         check_refs(m, naming, where)
     return m  # type: ignore[no-any-return]
@@ -358,6 +443,31 @@ def check_refs(m: Manifest, naming: Naming, where: str) -> None:
                 f"checkpoint of this directory (its checkpoints are named "
                 f"{naming.describe()}; this one is of step {m.step})",
                 checkpoint=where, file="manifest.json")
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]  # how many gc_paused() are open; whether the collector was enabled
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (reference counting goes on) while a manifest of
+    many entries is decoded: its 100,000 small dicts would otherwise set off collections
+    that rescan the whole heap of a large job again and again (half of the parse time).
+    Pauses on several threads compose: the collector runs again when the last one ends,
+    and only if it ran when the first began."""
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
 
 
 #: the frames parsing may need: the JSON nesting of the deepest structure pitstop writes
@@ -457,6 +567,9 @@ def _check_encrypted(m: Manifest) -> None:
     from .crypto import split
     if m.refs and m.encryption is not None:
         raise ValueError("an encrypted manifest with references (refs): pitstop writes none")
+    if m.encryption is None and not m.ranks and all(
+            e.codec == "none" and e.shards is None for e in m.arrays.values()):
+        return  # the common case, without a list of every stored run
     for key, e in m.stored():
         if split(e.codec)[1] != (m.encryption is not None):
             raise ValueError(f"array {key!r}: codec {e.codec!r} in "
@@ -606,8 +719,7 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
             raise ValueError(f"file {name}: bad length {_brief(length)}")
         files[name] = length
     refs = _refs(doc.get("refs", {}), where)
-    arrays = {key: _entry(_object(e, f"array {key!r}"), key, where, files, refs)
-              for key, e in _object(doc["arrays"], "arrays").items()}
+    arrays = _entries(_object(doc["arrays"], "arrays"), where, files, refs)
     values = doc.get("values", {})
     if not isinstance(values, dict):
         raise ValueError("values is not an object")
@@ -746,6 +858,59 @@ def _check_structure(structure: Any, arrays: Container[str], values: Container[s
         raise CorruptCheckpointError(
             f"{where}: the structure{of} in manifest.json is malformed ({e})",
             checkpoint=where, key=getattr(e, "key", None), file="manifest.json") from None
+
+
+#: the keys of an array stored whole, uncompressed and unencrypted, as pitstop writes it
+_PLAIN_KEYS = frozenset(("dtype", "shape", "file", "offset", "length", "hash"))
+
+
+def _entries(raw: dict[str, Any], where: str, files: dict[str, int],
+             refs: dict[str, dict[str, int]] | None = None) -> dict[str, ArrayEntry]:
+    """Every array entry of a manifest, checked as :func:`_entry` checks it.
+
+    A checkpoint of many small tensors has as many entries, so the common kind (a whole
+    array, uncompressed, unencrypted: exactly :data:`_PLAIN_KEYS`) takes a fast path with
+    the same checks inlined and dtypes checked once per descriptor; an entry of any other
+    kind, or one that fails a check there, goes through :func:`_entry`, which raises the
+    exact error (so every message stays the one the full check gives)."""
+    out: dict[str, ArrayEntry] = {}
+    itemsizes: dict[str, int] = {}  # dtype descriptor -> itemsize, once checked by _dtype
+    plain = _PLAIN_KEYS
+    new = ArrayEntry
+    for key, e in raw.items():
+        if type(e) is dict and len(e) == 6 and e.keys() == plain:
+            shape, descr, fname = e["shape"], e["dtype"], e["file"]
+            offset, length, digest = e["offset"], e["length"], e["hash"]
+            n = -1  # the number of elements, when the shape is a sane one of 0 to 2 sizes
+            if type(shape) is list:
+                nd = len(shape)
+                if nd == 1:
+                    n = shape[0]
+                    if type(n) is not int or n > MAX_ELEMENTS:
+                        n = -1
+                elif nd == 2:
+                    a, b = shape
+                    # (as _shape bounds it: a 0 among the sizes does not make the other sane)
+                    if type(a) is int and type(b) is int and a >= 0 and b >= 0 and \
+                            (a or 1) * (b or 1) <= MAX_ELEMENTS:
+                        n = a * b
+                elif nd == 0:
+                    n = 1
+            if (n >= 0 and type(descr) is str and type(fname) is str and type(digest) is str
+                    and type(offset) is int and type(length) is int
+                    and 0 <= offset <= MAX_BYTES and 0 <= length <= MAX_BYTES):
+                itemsize = itemsizes.get(descr)
+                if itemsize is None:
+                    try:
+                        itemsize = itemsizes[descr] = _dtype(descr, key).itemsize
+                    except ValueError:
+                        itemsize = -1
+                size = files.get(fname, -1)
+                if itemsize >= 0 and n * itemsize == length and 0 <= offset + length <= size:
+                    out[key] = new(descr, list(shape), fname, offset, length, digest)
+                    continue
+        out[key] = _entry(_object(e, f"array {key!r}"), key, where, files, refs)
+    return out
 
 
 def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int],

@@ -85,8 +85,15 @@ class _Keys:
     """A sorted set of key paths answering "which keys lie under this prefix" by bisection."""
 
     def __init__(self, keys: Iterable[str]) -> None:
-        self.keys = sorted(set(keys))
-        self.set = set(self.keys)
+        self.set = set(keys)
+        self._sorted: list[str] | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        """Every key, sorted (sorted on first use: a restore that matches needs no order)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.set)
+        return self._sorted
 
     def under(self, prefix: str) -> list[str]:
         """Keys equal to ``prefix`` or below it (every key for the root, ``""``)."""
@@ -193,8 +200,9 @@ class RestorePlan:
         for key in self.bad:
             covered.update(ck.under(key))
 
+        dtypes: dict[str, Any] = {}  # each dtype descriptor decoded once
         for key, leaf in flat.arrays.items():
-            if in_replaced(key):
+            if replaced and in_replaced(key):
                 continue
             e = m.arrays.get(key)
             if e is None:
@@ -206,7 +214,12 @@ class RestorePlan:
                     r.missing_keys.append(key)
                     self.bad.add(key)
                 continue
-            dtype = decode_dtype(e.dtype)
+            descr = e.dtype
+            dtype = dtypes.get(descr) if type(descr) is str else None
+            if dtype is None:
+                dtype = decode_dtype(descr)
+                if type(descr) is str:
+                    dtypes[descr] = dtype
             if (key in flat.scalars and dtype != leaf.dtype and dtype.kind == leaf.dtype.kind
                     and dtype.kind in "US" and not e.shape):
                 self.resized.add(key)  # np.str_ / np.bytes_ of another length: replaced anyway
@@ -227,7 +240,7 @@ class RestorePlan:
             elif key not in m.values:
                 r.missing_keys.append(key)
                 self.bad.add(key)
-        r.unexpected_keys = sorted(k for k in ck.keys if k not in target.set and k not in covered)
+        r.unexpected_keys = sorted(k for k in ck.set if k not in target.set and k not in covered)
         self._decode_values()
         if self.strict and (r.missing_keys or r.unexpected_keys or r.mismatched_keys):
             why = self._adapters_explain([*r.missing_keys, *r.unexpected_keys,
@@ -594,8 +607,18 @@ class RestorePlan:
             with self._written_lock:
                 self.written.append(key)
 
+        def wrote(key: str) -> None:
+            with self._written_lock:
+                self.written.append(key)
+
+        def restore(item: Any) -> None:
+            if type(item[0]) is list:
+                reader.read_plain_run(item[0], wrote)
+            else:
+                restore_one(item)
+
         try:
-            reader.per_file(todo, restore_one)
+            reader.per_file(_batched(todo, reader), restore)
         except CheckpointError as e:
             written = sorted(self.written)
             e.overwritten = written  # type: ignore[attr-defined]
@@ -748,6 +771,38 @@ class RestorePlan:
             f"({', '.join(parts)}); restore again into a state that matches, or rebuild it.")
         err.overwritten = written  # type: ignore[attr-defined]
         return err
+
+
+def _batched(todo: list[tuple[str, Any, ArrayEntry]], reader: CheckpointReader) -> list[Any]:
+    """``todo`` (sorted by where each entry starts) with the small arrays stored plain
+    (uncompressed, unencrypted, whole) that go straight into a live buffer gathered in
+    runs of one data file, ``([(key, entry, view), ...], first entry)``: read by
+    :meth:`CheckpointReader.read_plain_run` a window at a time (100,000 small tensors cost
+    a few large reads and a short loop step each); the rest stay one item each."""
+    from .reader import RUN_MAX, RUN_MIN, SMALL
+    if len(todo) < RUN_MIN or reader._cipher is not None:
+        return todo
+    out: list[Any] = []
+    runs: dict[str, list[tuple[str, ArrayEntry, np.ndarray]]] = {}
+    plain = []
+    for item in todo:
+        key, leaf, entry = item
+        if entry.codec == "none" and entry.shards is None and entry.length <= SMALL and \
+                leaf.restore_from is None:
+            view = leaf.host_view()
+            if view is not None and view.nbytes == entry.length:
+                plain.append((item, view))
+                runs.setdefault(entry.file, []).append((key, entry, view))
+                continue
+        out.append(item)
+    for item, _view in plain:
+        if len(runs[item[2].file]) < RUN_MIN:
+            out.append(item)  # a few in this file: one by one, as before
+    for run in runs.values():
+        if len(run) >= RUN_MIN:
+            out.extend((run[a:a + RUN_MAX], run[a][1]) for a in range(0, len(run), RUN_MAX))
+    out.sort(key=lambda t: t[-1].start)
+    return out
 
 
 def _spec(key: str, entry: ArrayEntry) -> ArraySpec:

@@ -272,6 +272,9 @@ class FlatState:
 
 
 # --------------------------------------------------------------------------- values
+_SCALARS = SCALAR_TYPES + (bytes,)
+
+
 def _is_array_like(obj: Any) -> bool:
     return isinstance(obj, (np.ndarray, np.generic, ArrayLeaf))
 
@@ -288,11 +291,12 @@ class _BadNesting(Exception):
 def contains_array(obj: Any, resolve: Callable[[Any], Any] | None, _depth: int = 0,
                    _open: set[int] | None = None) -> bool:
     """True when ``obj`` holds an array anywhere (or an object an adapter handles)."""
-    if _is_array_like(obj):
+    plain = type(obj) is dict or type(obj) is list  # (neither an array nor a scalar)
+    if not plain and _is_array_like(obj):
         return True
-    if isinstance(obj, SCALAR_TYPES + (bytes,)):
+    if not plain and isinstance(obj, _SCALARS):
         return False
-    if isinstance(obj, (Mapping, list, tuple)):
+    if plain or isinstance(obj, (Mapping, list, tuple)):
         if _depth >= MAX_DEPTH:
             raise _BadNesting("deep")
         if _open is None:
@@ -503,14 +507,52 @@ def check_structure(structure: Any, arrays: Container[str], values: Container[st
                 type(item[0]) is not str and type(item[0]) is not int):
             raise StructureError(f"structure at {_where(path)}: $d holds {_brief(item)}, not "
                                  "a [str or int key, node] pair", _leaf_path(path))
-        check_structure(item[1], arrays, values, join(path, item[0]), depth + 1)
+        node = item[1]
+        here = join(path, item[0])
+        if type(node) is int and (here in arrays or (node == 0 and here in values)) and (
+                node == 0 or node == 1):
+            continue  # a leaf that exists (the check below, inlined: one per tensor)
+        check_structure(node, arrays, values, here, depth + 1)
 
 
 # --------------------------------------------------------------------------- flatten
 Resolver = Callable[[Any], Any]  # obj -> adapter or None
 
 
-def flatten(state: Any, resolve: Resolver | None = None) -> FlatState:
+class FlattenCache:
+    """What :func:`flatten` made of the big plain dicts of numpy arrays it walked last
+    time (a model's 100,000 parameters), reused when such a dict holds the same arrays
+    again under the same keys, with the same shapes and dtypes: a save then costs a
+    comparison per array, not a new leaf. One per manager; it keeps references to the
+    arrays of the last save's dicts until the next flatten with it, or :meth:`clear`."""
+
+    #: dicts with fewer arrays are walked as usual (nothing to gain)
+    MIN = 256
+
+    def __init__(self) -> None:
+        #: id(dict) -> (dict, path, keys, arrays, shapes, dtypes, leaf paths, leaves, items)
+        self.last: dict[int, tuple[Any, ...]] = {}
+        self.next: dict[int, tuple[Any, ...]] = {}
+
+    def clear(self) -> None:
+        self.last, self.next = {}, {}
+
+    def reuse(self, obj: dict[str, Any], path: str) -> tuple[Any, ...] | None:
+        """The record of ``obj`` at ``path`` when it still holds what it held."""
+        rec = self.last.get(id(obj))
+        if rec is None or rec[0] is not obj or rec[1] != path or len(obj) != len(rec[2]):
+            return None
+        if list(obj) != rec[2]:  # (the same str objects: compared by identity first)
+            return None
+        for a, b, shape, dt in zip(obj.values(), rec[3], rec[4], rec[5], strict=True):
+            # (a reshape or a dtype change in place keeps the object: checked too)
+            if a is not b or a.shape != shape or a.dtype is not dt:
+                return None
+        return rec
+
+
+def flatten(state: Any, resolve: Resolver | None = None,
+            cache: FlattenCache | None = None) -> FlatState:
     """Flatten ``state`` into array leaves (by reference) and value leaves.
 
     ``structure`` records containers that hold arrays so :func:`unflatten` can rebuild the
@@ -521,7 +563,13 @@ def flatten(state: Any, resolve: Resolver | None = None) -> FlatState:
     containing itself is refused with :class:`UnsupportedStateError`.
     """
     flat = FlatState(root=state)
-    flat.structure = _Flattener(flat, resolve).walk(state, "", None, None, 0)
+    walker = _Flattener(flat, resolve)
+    walker.cache = cache
+    if cache is not None:
+        cache.next = {}  # (what a flatten that raised had begun)
+    flat.structure = walker.walk(state, "", None, None, 0)
+    if cache is not None:
+        cache.last, cache.next = cache.next, {}
     return flat
 
 
@@ -531,12 +579,17 @@ class _Flattener:
         self.resolve = resolve
         #: ids of the containers on the path being walked (a reference cycle check)
         self.open: set[int] = set()
+        self.cache: FlattenCache | None = None
 
     def walk(self, obj: Any, path: str, parent: Any, key: Any, depth: int) -> Any:
         flat = self.flat
         if type(obj) is np.ndarray:  # the common leaf first
             flat.arrays[path or "<root>"] = NumpyLeaf(obj)
             return 0
+        if type(obj) is dict:  # then the common container (a plain dict is no leaf)
+            if depth >= MAX_DEPTH:
+                raise _too_deep(path)
+            return self._container(obj, path, parent, key, depth)
         if isinstance(obj, ArrayLeaf):
             flat.arrays[_leaf_path(path)] = obj
             if obj.sharded:
@@ -561,29 +614,7 @@ class _Flattener:
             raise _too_deep(path)
         if isinstance(obj, (Mapping, list, tuple)) and not (
                 type(obj) is not dict and _frozen_mapping(obj) and self._adapted(obj)):
-            if id(obj) in self.open:
-                raise UnsupportedStateError(
-                    f"state entry {_where(path)} contains itself (a reference cycle); "
-                    "pitstop saves trees, not graphs")
-            try:
-                has_arrays = contains_array(obj, self.resolve, depth)
-            except _BadNesting as e:
-                raise _nesting_error(e, path) from None
-            if not has_arrays and depth > 0:
-                # a subtree without arrays is one value leaf (JSON); the root container is
-                # always walked, so its entries are matched key by key on restore
-                return _value(obj, path, flat, parent, key)
-            self.open.add(id(obj))
-            try:
-                if isinstance(obj, Mapping):
-                    return self._mapping(obj, path, depth)
-                subs = [self.walk(v, join(path, i), obj, i, depth + 1) for i, v in enumerate(obj)]
-            finally:
-                self.open.discard(id(obj))
-            if isinstance(obj, tuple):
-                flat.tuples[id(obj)] = (path, parent, key)
-                return {"$t": subs}
-            return {"$l": subs}
+            return self._container(obj, path, parent, key, depth)
         adapter = self.resolve(obj) if self.resolve is not None else None
         if adapter is None:
             # raises a clear UnsupportedStateError
@@ -616,12 +647,49 @@ class _Flattener:
         name = tag(obj) if tag is not None else None
         return {"$o": sub, "$type": name} if name else {"$o": sub}
 
+    def _container(self, obj: Any, path: str, parent: Any, key: Any, depth: int) -> Any:
+        """A dict, list or tuple: a value leaf when it holds no array, else walked."""
+        flat = self.flat
+        if id(obj) in self.open:
+            raise UnsupportedStateError(
+                f"state entry {_where(path)} contains itself (a reference cycle); "
+                "pitstop saves trees, not graphs")
+        try:
+            has_arrays = contains_array(obj, self.resolve, depth)
+        except _BadNesting as e:
+            raise _nesting_error(e, path) from None
+        if not has_arrays and depth > 0:
+            # a subtree without arrays is one value leaf (JSON); the root container is
+            # always walked, so its entries are matched key by key on restore
+            return _value(obj, path, flat, parent, key)
+        self.open.add(id(obj))
+        try:
+            if isinstance(obj, Mapping):
+                return self._mapping(obj, path, depth)
+            subs = [self.walk(v, join(path, i), obj, i, depth + 1) for i, v in enumerate(obj)]
+        finally:
+            self.open.discard(id(obj))
+        if isinstance(obj, tuple):
+            flat.tuples[id(obj)] = (path, parent, key)
+            return {"$t": subs}
+        return {"$l": subs}
+
     def _adapted(self, obj: Any) -> bool:
         """An immutable mapping an adapter rebuilds (a Flax FrozenDict): not walked as a
         container, whose entries could not be put back."""
         return self.resolve is not None and self.resolve(obj) is not None
 
     def _mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Any:
+        if type(obj) is dict:
+            cache = self.cache
+            if cache is not None and len(obj) >= cache.MIN:
+                rec = cache.reuse(obj, path)
+                if rec is not None:  # the same arrays as at the last save
+                    self.flat.arrays.update(zip(rec[6], rec[7], strict=True))
+                    cache.next[id(obj)] = rec
+                    return {"$d": list(rec[8])}
+            if all(type(k) is str for k in obj):
+                return self._str_dict(obj, path, depth)
         items = []
         texts: dict[str, Any] = {}
         for k, v in obj.items():
@@ -636,6 +704,33 @@ class _Flattener:
             # kept for putting values back (an enum key hashes unlike its text)
             items.append([name if isinstance(k, str) else int(k),
                           self.walk(v, join(path, name), obj, k, depth + 1)])
+        return {"$d": items}
+
+
+    def _str_dict(self, obj: dict[str, Any], path: str, depth: int) -> Any:
+        """:meth:`_mapping` of a plain dict whose keys are all plain str (no two can share a
+        key path), with its numpy leaves taken inline: a model's parameters, a dict of
+        100,000 arrays, cost one short loop step each rather than a call of :meth:`walk`."""
+        items: list[list[Any]] = []
+        arrays = self.flat.arrays
+        cache = self.cache
+        prefix = path + "/" if path else ""
+        ndarray, leaf = np.ndarray, NumpyLeaf
+        only = True  # only plain numpy arrays, under keys that need no escaping
+        for k, v in obj.items():
+            if type(v) is ndarray and k and "/" not in k and "~" not in k:
+                arrays[prefix + k] = leaf(v)
+                items.append([k, 0])
+            else:
+                only = False
+                items.append([k, self.walk(v, join(path, k), obj, k, depth + 1)])
+        if cache is not None and only and len(obj) >= cache.MIN:
+            values = list(obj.values())
+            paths = [prefix + k for k in obj]
+            cache.next[id(obj)] = (obj, path, list(obj), values, [v.shape for v in values],
+                                   [v.dtype for v in values], paths,
+                                   [arrays[p] for p in paths], items)
+            return {"$d": list(items)}
         return {"$d": items}
 
 
