@@ -106,12 +106,20 @@ def _load_for(obj: Any) -> None:
                     f"pip install 'pitstop[{INSTALL_HINT[root]}]'") from e
 
 
+def has_state_dict_methods(obj: Any) -> bool:
+    """Whether ``obj``'s class defines ``state_dict()`` and ``load_state_dict()``: asked of
+    the class, since an object that makes attributes up on access (flax ``nnx.Rngs`` answers
+    any name with a random stream) has them without being torch-style state."""
+    kind = type(obj)
+    return callable(getattr(kind, "state_dict", None)) and callable(
+        getattr(kind, "load_state_dict", None))
+
+
 class StatefulAdapter:
     """Any object with ``state_dict()`` and ``load_state_dict()`` (torch style)."""
 
     def can_handle(self, obj: Any) -> bool:
-        return callable(getattr(obj, "state_dict", None)) and callable(
-            getattr(obj, "load_state_dict", None))
+        return has_state_dict_methods(obj)
 
     def capture(self, obj: Any) -> Any:
         return obj.state_dict()

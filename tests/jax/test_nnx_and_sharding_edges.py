@@ -232,3 +232,18 @@ def test_many_tiny_arrays_save_and_restore(manager):
     assert mgr.restore(target) == 0
     assert float(target["p"][f"a{n - 1}"][0]) == n - 1
     assert float(target["p"]["a1234"][0]) == 1234.0
+
+
+def test_nnx_rngs_is_not_taken_for_torch_style_state_when_torch_is_loaded(tmp_path):
+    """``nnx.Rngs`` answers any attribute with a random stream, so it "has" state_dict and
+    load_state_dict; with the torch adapter loaded in the same process it must still go to
+    the JAX adapter (a torch + flax process), not to torch's state_dict adapter."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    code = ("import pitstop.adapters.torch, sys, pytest; sys.exit(pytest.main(['-q', '-x', "
+            "'-p', 'no:cacheprovider', __file__ + '::test_nnx_rngs_object_in_state_draws_the_"
+            "same_after_restore']))")
+    r = subprocess.run([sys.executable, "-c", code.replace("__file__", repr(__file__))],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pitstop.adapters.registry import has_state_dict_methods
 from pitstop.core.errors import CheckpointError, IncompatibleTargetError, UnsupportedStateError
 
 from ._dtensor import dtensor_like, is_dtensor
@@ -495,8 +496,7 @@ class StatefulAdapter:
     replace_on_mismatch = True
 
     def can_handle(self, obj: Any) -> bool:
-        return (callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))
+        return (has_state_dict_methods(obj)
                 and not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor)))
 
     def capture(self, obj: Any) -> Any:
