@@ -1091,6 +1091,11 @@ class Engine:
                 job.lazy.check_final()
             except LazyVersionError:
                 self._lazy_off()
+                buf = job.buffer
+                if self.tier is not None and buf is not None and buf.shm_path is not None:
+                    # described and sealed there once the copy ended: bytes that might mix
+                    # old and new values must never come back from shared memory either
+                    self._tier_call(self.tier.invalidate, buf)
                 raise
 
     def _lazy_off(self) -> None:

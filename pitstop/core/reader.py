@@ -235,15 +235,18 @@ class CheckpointReader:
                    ) -> tuple[list[list[tuple[str, ArrayEntry]]], list[tuple[str, ArrayEntry]]]:
         """``(runs, rest)``: the small arrays stored plain (whole, uncompressed, unencrypted)
         in runs of one data file, in ascending offsets, where a file holds at least
-        :data:`RUN_MIN` of them (for :meth:`read_plain_run`); every other item in ``rest``,
+        :data:`RUN_MIN` of them (for :meth:`read_plain_run`; the data file of the checkpoint
+        itself or of the one an entry references); every other item in ``rest``,
         in the order given."""
         if self._cipher is not None or len(items) < RUN_MIN:
             return [], items
-        by_file: dict[str, list[tuple[str, ArrayEntry]]] = {}
+        # (by file *and* ref: an incremental checkpoint's own data-000.bin and the one of
+        # the older checkpoint it references share a name, not their bytes)
+        by_file: dict[tuple[str, str], list[tuple[str, ArrayEntry]]] = {}
         rest = []
         for key, e in items:
             if e.codec == "none" and e.shards is None and e.length <= SMALL:
-                by_file.setdefault(e.file, []).append((key, e))
+                by_file.setdefault(e.origin, []).append((key, e))
             else:
                 rest.append((key, e))
         runs: list[list[tuple[str, ArrayEntry]]] = []

@@ -783,7 +783,9 @@ def _batched(todo: list[tuple[str, Any, ArrayEntry]], reader: CheckpointReader) 
     if len(todo) < RUN_MIN or reader._cipher is not None:
         return todo
     out: list[Any] = []
-    runs: dict[str, list[tuple[str, ArrayEntry, np.ndarray]]] = {}
+    # (by origin, ref and file: an incremental checkpoint's own data-000.bin and the one of
+    # the older checkpoint it references share a name, not their bytes)
+    runs: dict[tuple[str, str], list[tuple[str, ArrayEntry, np.ndarray]]] = {}
     plain = []
     for item in todo:
         key, leaf, entry = item
@@ -792,11 +794,11 @@ def _batched(todo: list[tuple[str, Any, ArrayEntry]], reader: CheckpointReader) 
             view = leaf.host_view()
             if view is not None and view.nbytes == entry.length:
                 plain.append((item, view))
-                runs.setdefault(entry.file, []).append((key, entry, view))
+                runs.setdefault(entry.origin, []).append((key, entry, view))
                 continue
         out.append(item)
     for item, _view in plain:
-        if len(runs[item[2].file]) < RUN_MIN:
+        if len(runs[item[2].origin]) < RUN_MIN:
             out.append(item)  # a few in this file: one by one, as before
     for run in runs.values():
         if len(run) >= RUN_MIN:

@@ -638,3 +638,34 @@ def test_newest_checkpoint_is_read_back_into_the_page_cache(tmp_path, monkeypatc
     mgr.save(5, make_state(5)).wait()
     mgr.close()
     assert [w[0] for w in warmed] == [step_name(4), step_name(5)]  # step 5 at close, once
+
+
+def test_a_file_system_that_refuses_o_direct_after_creating_the_file_still_saves(
+        tmp_path, monkeypatch):
+    """Linux checks O_DIRECT support after O_CREAT made the file (tmpfs before 6.6, some
+    FUSE file systems): open() fails with EINVAL and leaves an empty file behind. The
+    buffered retry must take that file, not fail the save on its own O_EXCL."""
+    import errno
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        pytest.skip("no O_DIRECT on this platform")
+    real_open = os.open
+    refused: list[str] = []
+
+    def refusing_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & direct:
+            fd = real_open(path, flags & ~direct, mode, dir_fd=dir_fd)  # made, as Linux does
+            os.close(fd)
+            refused.append(os.fspath(path))
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    state = make_state(1)
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False) as mgr:
+        mgr.save(1, state).wait()
+    monkeypatch.setattr(os, "open", real_open)
+    assert refused  # the data files did try O_DIRECT
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False) as mgr:
+        got = mgr.load(1)
+    np.testing.assert_array_equal(got["model"]["w"], state["model"]["w"])

@@ -197,3 +197,30 @@ def test_load_and_verify_of_many_small_arrays_are_exact_and_find_a_corrupt_one(t
     assert info.value.key == "p/w77"
     with pytest.raises(pitstop.CorruptCheckpointError, match="'p/w77'"):
         CheckpointReader(LocalStorage(str(d)), step_name(1)).load()
+
+
+def test_an_incremental_checkpoint_of_many_small_arrays_reads_each_from_its_own_file(
+        tmp_path):
+    """An incremental checkpoint's unchanged arrays stay in the older checkpoint's
+    data-000.bin, its changed ones go to its own data-000.bin: the same file name. A run of
+    small reads must never mix the two (it read the referenced arrays from the wrong file
+    and called a valid checkpoint corrupt: restore() would have moved it aside)."""
+    state = many()
+    with open_mgr(tmp_path / "c", incremental=True) as mgr:
+        mgr.save(1, state).wait()
+        arrays = state["p"]
+        for i, k in enumerate(arrays):
+            if i % 2 == 0:
+                arrays[k] = arrays[k] + 1000
+        mgr.save(2, state).wait()
+        entries = mgr.metadata(2).arrays.values()
+        assert {e.ref for e in entries} == {None, step_name(1)}  # both kinds, ...
+        own = {e.file for e in entries if e.ref is None}
+        assert own & {e.file for e in entries if e.ref}  # ... under the same file names
+    with open_mgr(tmp_path / "c") as mgr:
+        got = mgr.load(2)
+        target = many(value=0.0)
+        assert mgr.restore(target) == 2
+    for k, v in state["p"].items():
+        np.testing.assert_array_equal(got["p"][k], v, err_msg=k)
+        np.testing.assert_array_equal(target["p"][k], v, err_msg=k)

@@ -384,3 +384,26 @@ def test_lazy_saves_on_two_ranks(tmp_path):
     with pitstop.CheckpointManager(d, read_only=True) as reader:
         saved = reader.load(1)["model"]["weight"]
     np.testing.assert_array_equal(saved, dec(got[0]["before"]).numpy())
+
+
+def test_a_save_failed_by_a_write_before_the_step_never_comes_back_from_the_memory_tier(
+        tmp_path):
+    """The failure says the saved bytes might mix old and new values: that snapshot must
+    not be recovered from shared memory after a crash either (it was described and sealed
+    there once its copy ended, before the write was seen)."""
+    model, opt, _x = trained()
+    (tmp_path / "shm").mkdir()
+    mgr = make(tmp_path, memory_tier=str(tmp_path / "shm"))
+    tier = mgr._engine.tier
+    commit = threading.Event()
+    mgr.hooks["before_commit"] = lambda step: commit.wait(WAIT)
+    handle = mgr.save(1, {"model": model, "opt": opt})
+    for copy in lazy.pending():
+        assert copy.done.wait(WAIT)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # outside the contract, seen only before the commit
+    commit.set()
+    with pytest.raises(pitstop.CheckpointWriteError, match=r"'model/0\.weight'.*in place"):
+        handle.wait()
+    assert 1 not in {int(meta["step"]) for meta, _p in tier.candidates()}
+    mgr.close()

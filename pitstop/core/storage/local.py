@@ -136,7 +136,15 @@ class _FileWriter(Writer):
                 if e.errno != errno.EINVAL:
                     raise
         if not self.direct:
-            self.fd = os.open(path, flags, mode)
+            try:
+                self.fd = os.open(path, flags, mode)
+            except FileExistsError:
+                if not direct:
+                    raise
+                # Linux checks O_DIRECT only after O_CREAT made the file (tmpfs before 6.6,
+                # some FUSE file systems): the refused open left it, empty. It is ours: an
+                # older file would have failed that open with EEXIST, before the EINVAL
+                self.fd = os.open(path, (flags & ~os.O_EXCL) | os.O_TRUNC, mode)
         self.durable = durable
         if exact:
             _widen(self.fd, mode)
