@@ -546,7 +546,7 @@ class Pitstop(Peer):
         super().__init__(spec, wd, restore)
         self.name = name
         self.state = TorchState(spec, restore, frozen=frozen)
-        opts = {**PITSTOP_OPTIONS[name], **extra}
+        opts = {"keep_last": 1, **PITSTOP_OPTIONS[name], **extra}  # as the peers keep one
         self.mgr = pitstop.CheckpointManager(self.dir, save_on_signals=(), **opts)
         self.stats: Any = None
 
@@ -619,7 +619,7 @@ def child_save(peer_name: str, spec: dict[str, Any], wd: str, reps: int,
 
     out: dict[str, Any] = {"setup_s": time.perf_counter() - t_setup}
     gc.collect()
-    base = rss()
+    base_rss = rss()
     step = 0
     out["warmup_stall_s"], out["warmup_commit_s"] = timed_save(peer, step)
     peer.retire()
@@ -636,9 +636,9 @@ def child_save(peer_name: str, spec: dict[str, Any], wd: str, reps: int,
         written.append(io_written() - io0)
         stalls.append(s)
         commits.append(c)
-        peaks.append(peak.peak - base)
+        peaks.append(peak.peak - base_rss)
         gc.collect()
-        retained.append(rss() - base)
+        retained.append(rss() - base_rss)
         peer.retire()
     out.update(stall_s=statistics.median(stalls), commit_s=statistics.median(commits),
                peak_mem=statistics.median(peaks), retained_mem=statistics.median(retained),
