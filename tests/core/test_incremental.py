@@ -299,6 +299,47 @@ def test_a_corrupt_holder_byte_is_a_hash_mismatch_naming_the_holder(tmp_path):
         same(t, state_of(1))
 
 
+@pytest.mark.parametrize("how", ["restore", "load"])
+def test_a_save_after_a_read_found_a_corrupt_holder_writes_in_full(tmp_path, how):
+    """A read of step N that finds the bytes N references in its holder damaged (a hash
+    mismatch) leaves the manager knowing it: the next save must write those arrays again,
+    never reference the damaged bytes (a fresh save that could never be restored)."""
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=5) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state_of(s)).wait()
+        w3 = manifest_of(d, 3)["arrays"]["w3"]
+        p = d / w3["ref"] / w3["file"]
+        data = bytearray(p.read_bytes())
+        data[w3["offset"] + 5] ^= 0x40
+        p.write_bytes(bytes(data))
+        with pytest.raises(pitstop.CorruptCheckpointError, match="hash mismatch"):
+            if how == "restore":
+                mgr.restore(blank(), step=3)
+            else:
+                mgr.load(step=3)
+        mgr.save(4, state_of(4)).wait()
+        assert "refs" not in manifest_of(d, 4)
+        t = blank()
+        assert mgr.restore(t, step=4) == 4
+        same(t, state_of(4))
+
+
+def test_a_referencing_checkpoint_copied_alone_says_its_holder_is_missing(tmp_path):
+    """load() of a directory holding only a copy of an incremental checkpoint (its holder
+    left behind) says why nothing loads, not just "no valid checkpoint"."""
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=1) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state_of(s)).wait()
+    e = tmp_path / "copy"
+    shutil.copytree(d / step_name(2), e / step_name(2))
+    with pitstop.CheckpointManager(e, read_only=True) as r:
+        with pytest.warns(UserWarning), \
+                pytest.raises(pitstop.CheckpointNotFoundError, match="step_0000000001"):
+            r.load()
+
+
 def test_deleting_a_referenced_checkpoint_is_refused(tmp_path):
     d = tmp_path / "run"
     holder_run(d)
