@@ -369,6 +369,39 @@ def test_a_rolled_back_run_never_references_the_checkpoints_it_moved_aside(tmp_p
         same(t, state_of(3))
 
 
+def test_retention_keeps_what_a_checkpoint_moved_aside_as_abandoned_references(tmp_path):
+    """A rollback moves the abandoned run's checkpoints aside and pitstop says it keeps them:
+    one that references an older checkpoint's bytes must stay restorable, so retention keeps
+    that holder while the abandoned checkpoint is there, and deletes it once it is gone."""
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=3) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, state_of(s)).wait()
+        assert set(manifest_of(d, 4)["refs"]) == {step_name(1)}
+        assert mgr.restore(blank(), step=2) == 2
+        with pytest.warns(UserWarning, match="abandoned"):
+            mgr.save(3, state_of(3, frozen_seed=1)).wait()
+        for s in (4, 5, 6):
+            mgr.save(s, state_of(s, frozen_seed=1)).wait()
+        # 1: kept for the abandoned step 4; 3: the new run's holder
+        assert mgr.all_steps() == [1, 3, 4, 5, 6]
+        aside = sorted(n for n in os.listdir(d) if ".abandoned-" in n)
+        assert len(aside) == 2
+        # the abandoned checkpoint is still whole: copied back, it restores exactly
+        e = tmp_path / "back"
+        shutil.copytree(d / step_name(1), e / step_name(1))
+        shutil.copytree(d / aside[-1], e / step_name(4))
+        with pitstop.CheckpointManager(e, read_only=True) as r:
+            t = blank()
+            assert r.restore(t, step=4) == 4
+            same(t, state_of(4))
+        # once the abandoned checkpoints are deleted, the holder goes at the next retention
+        for n in aside:
+            shutil.rmtree(d / n)
+        mgr.save(7, state_of(7, frozen_seed=1)).wait()
+        assert steps_on_disk(d) == [3, 5, 6, 7]
+
+
 # =========================================================================== format
 def test_older_readers_refuse_with_upgrade_and_refs_are_validated(tmp_path, monkeypatch):
     d = tmp_path / "run"
