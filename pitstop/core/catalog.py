@@ -486,6 +486,13 @@ class Catalog:
                 "(incremental checkpoints: arrays unchanged since it are stored once, in it); "
                 f"delete step {users[-1]} first, or keep it: retention deletes it once no "
                 "kept checkpoint references it")
+        aside = sorted(a for a, refs in self.held_aside().items() if name in refs) \
+            if self.aside_seen else []
+        if aside:
+            raise CheckpointError(
+                f"{where} holds data referenced by {', '.join(aside)} (an incremental "
+                "checkpoint a rollback moved aside, which pitstop keeps); delete that first "
+                "if you no longer need it, or keep both")
         if not self._written_here(step):
             raise CheckpointError(
                 f"{where} was not written by this directory's runs (its manifest names "

@@ -395,6 +395,8 @@ def test_retention_keeps_what_a_checkpoint_moved_aside_as_abandoned_references(t
             t = blank()
             assert r.restore(t, step=4) == 4
             same(t, state_of(4))
+        with pytest.raises(pitstop.CheckpointError, match="abandoned"):
+            mgr.delete(1)  # asked for: refused while an abandoned checkpoint reads from it
         # once the abandoned checkpoints are deleted, the holder goes at the next retention
         for n in aside:
             shutil.rmtree(d / n)
