@@ -266,16 +266,48 @@ class Catalog:
         #: called with a checkpoint's name when it leaves the directory (deleted, moved
         #: aside): the engine never references it again (incremental checkpoints)
         self.on_removed: Callable[[str], None] | None = None
+        #: a checkpoint moved aside as abandoned may be in the directory (seen in a listing,
+        #: or moved aside here): retention then checks what those reference (see _retain)
+        self.aside_seen = False
+        #: an abandoned checkpoint's name -> the checkpoints its manifest references
+        self._aside_refs: dict[str, tuple[str, ...]] = {}
 
     # ------------------------------------------------------------------ listing
     def committed_steps(self) -> list[int]:
         """Committed steps on disk, oldest first (only names pitstop makes)."""
         out = []
+        aside = False
         for name in self.storage.list_checkpoints():
             step = self.naming.parse(name)
             if step is not None:
                 out.append(step)
+            elif ".abandoned-" in name:
+                aside = True
+        self.aside_seen = aside
         return sorted(out)
+
+    def held_aside(self) -> dict[str, tuple[str, ...]]:
+        """The checkpoints moved aside as abandoned (a rollback) that are still in the
+        directory, each with the checkpoints whose data its manifest references: pitstop
+        keeps those (it says so when it moves them aside), so the holders they read from
+        stay too, until they are deleted."""
+        from .storage.local import MANIFEST
+        out: dict[str, tuple[str, ...]] = {}
+        for entry in self.storage.list_checkpoints():
+            base, sep, _rest = entry.rpartition(".abandoned-")
+            if not sep or self.naming.parse(base) is None:
+                continue
+            refs = self._aside_refs.get(entry)
+            if refs is None:
+                try:
+                    doc = json.loads(self.storage.read_bytes(entry, MANIFEST))
+                    refs = tuple(str(r) for r in doc.get("refs") or ())
+                except (OSError, ValueError, TypeError, AttributeError):
+                    refs = ()  # (encrypted, unreadable: references nothing we can tell)
+                self._aside_refs[entry] = refs
+            out[entry] = refs
+        self.aside_seen = bool(out)
+        return out
 
     def reconcile(self, write: bool) -> None:
         """Load what retention knows; rebuild entries from manifests where it is stale."""
@@ -368,6 +400,7 @@ class Catalog:
 
     def _retain(self) -> None:
         doomed = to_delete(list(self.index.values()), self.retention)
+        aside: dict[str, tuple[str, ...]] | None = None
         # newest first: a checkpoint is deleted before the older ones it references, so a
         # crash between two deletions never leaves one whose referenced bytes are gone; one
         # that stays (referenced, being read, a failed deletion) keeps what it references
@@ -377,6 +410,16 @@ class Catalog:
                 log.info("pitstop: retention keeps step %d: it holds data referenced by step "
                          "%s", s, ", ".join(map(str, users)))
                 continue
+            if self.aside_seen:
+                if aside is None:
+                    aside = self.held_aside()
+                name = self.naming.name(s)
+                kept_by = sorted(a for a, refs in aside.items() if name in refs)
+                if kept_by:
+                    log.info("pitstop: retention keeps step %d: it holds data referenced by "
+                             "%s (moved aside by a rollback; delete it to let step %d go)",
+                             s, ", ".join(kept_by), s)
+                    continue
             if not self._written_here(s):
                 # the index said ours, the directory says otherwise (copied in, replaced)
                 old = self.index[s]
@@ -443,6 +486,13 @@ class Catalog:
                 "(incremental checkpoints: arrays unchanged since it are stored once, in it); "
                 f"delete step {users[-1]} first, or keep it: retention deletes it once no "
                 "kept checkpoint references it")
+        aside = sorted(a for a, refs in self.held_aside().items() if name in refs) \
+            if self.aside_seen else []
+        if aside:
+            raise CheckpointError(
+                f"{where} holds data referenced by {', '.join(aside)} (an incremental "
+                "checkpoint a rollback moved aside, which pitstop keeps); delete that first "
+                "if you no longer need it, or keep both")
         if not self._written_here(step):
             raise CheckpointError(
                 f"{where} was not written by this directory's runs (its manifest names "
@@ -504,6 +554,8 @@ class Catalog:
         except OSError as e:
             log.warning("pitstop: could not move %s aside: %s", self.storage.path_of(name), e)
             return None
+        if new is not None and reason == "abandoned":
+            self.aside_seen = True
         self._forget(step)
         return new
 

@@ -618,6 +618,8 @@ class CheckpointManager:
                     self._use_rank(reader)
                     return reader.load()
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
+                if isinstance(e, CorruptCheckpointError):
+                    self._distrust_previous()
                 if step is not None:
                     gone = self._gone(step, e)
                     if gone is None:
@@ -634,7 +636,9 @@ class CheckpointManager:
         if isinstance(last, UnsupportedFormatError):
             raise last
         if last is not None:
-            raise CheckpointNotFoundError(f"no valid checkpoint in {self.directory}") from last
+            raise CheckpointNotFoundError(
+                f"no valid checkpoint in {self.directory}: every one failed to load (the "
+                f"oldest tried: {last})") from last
         raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
 
     def latest_step(self) -> int | None:
@@ -1190,9 +1194,19 @@ class CheckpointManager:
                                           encryption=self.encryption)
                 self._use_rank(reader)
                 return reader.restore_into(flat, strict, checked)
+        except CorruptCheckpointError:
+            self._distrust_previous()
+            raise
         except OSError as e:
             raise CheckpointError(f"cannot read {self.storage.path_of(name)}: "
                                   f"{type(e).__name__}: {e}") from e
+
+    def _distrust_previous(self) -> None:
+        """A read found damaged bytes (in a checkpoint or in a holder it references): an
+        incremental save must not reference the last commit's bytes any more, which may be
+        those very bytes; the next save writes every array again."""
+        if self._engine is not None:
+            self._engine.forget_previous()
 
     def _quarantine(self, step: int) -> None:
         """Move a corrupt checkpoint aside (never deleted) so later saves can reuse its step."""

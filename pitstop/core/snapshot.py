@@ -147,6 +147,8 @@ class StagingBuffer:
         self.view_list = list(self.views.values())
         self.step: int | None = None
         self.busy = False
+        #: busy only for a reader (:meth:`StagingPool.hold`): free again once that read ends
+        self.held = False
         #: how many times the pool has handed this buffer out: a reader of its bytes checks
         #: that no save has taken it since (see :meth:`StagingPool.hold`)
         self.generation = 0
@@ -191,7 +193,9 @@ class StagingPool:
     """At most ``capacity`` staging buffers, reused while the layout stays the same.
 
     ``acquire`` returns a free buffer (allocating on first use or after a layout change) or,
-    when all are busy, waits for one (``block=True``) or returns None.
+    when all are busy, waits for one (``block=True``) or returns None; a buffer busy only for
+    a restore reading it (:meth:`hold`) is waited for either way: that read is short, and a
+    read-side optimisation must never be why a save is skipped.
     """
 
     def __init__(self, capacity: int, shm_prefix: str | None = None,
@@ -209,7 +213,8 @@ class StagingPool:
         """True when :meth:`acquire` would not wait now (and will not until this thread
         acquires: only it takes buffers, the engine only gives them back)."""
         with self.cond:
-            return len(self.buffers) < self.capacity or any(not b.busy for b in self.buffers)
+            return len(self.buffers) < self.capacity or \
+                any(not b.busy or b.held for b in self.buffers)
 
     def acquire(self, layout: Layout, block: bool) -> StagingBuffer | None:
         with self.cond:
@@ -227,7 +232,7 @@ class StagingPool:
                     buf = self._allocate(layout)
                     self.buffers.append(buf)
                     break
-                if not block:
+                if not block and not any(b.held for b in self.buffers):
                     return None
                 self.cond.wait(0.1)  # in slices: lets the main thread run signal handlers
             buf.busy = True
@@ -242,7 +247,7 @@ class StagingPool:
             if buf.busy or buf.generation != generation or \
                     not any(b is buf for b in self.buffers):
                 return False
-            buf.busy = True
+            buf.busy = buf.held = True
             return True
 
     def _allocate(self, layout: Layout) -> StagingBuffer:
@@ -282,7 +287,7 @@ class StagingPool:
 
     def release(self, buf: StagingBuffer) -> None:
         with self.cond:
-            buf.busy = False
+            buf.busy = buf.held = False
             self.cond.notify_all()
 
     def idle(self) -> bool:

@@ -299,6 +299,47 @@ def test_a_corrupt_holder_byte_is_a_hash_mismatch_naming_the_holder(tmp_path):
         same(t, state_of(1))
 
 
+@pytest.mark.parametrize("how", ["restore", "load"])
+def test_a_save_after_a_read_found_a_corrupt_holder_writes_in_full(tmp_path, how):
+    """A read of step N that finds the bytes N references in its holder damaged (a hash
+    mismatch) leaves the manager knowing it: the next save must write those arrays again,
+    never reference the damaged bytes (a fresh save that could never be restored)."""
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=5) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state_of(s)).wait()
+        w3 = manifest_of(d, 3)["arrays"]["w3"]
+        p = d / w3["ref"] / w3["file"]
+        data = bytearray(p.read_bytes())
+        data[w3["offset"] + 5] ^= 0x40
+        p.write_bytes(bytes(data))
+        with pytest.raises(pitstop.CorruptCheckpointError, match="hash mismatch"):
+            if how == "restore":
+                mgr.restore(blank(), step=3)
+            else:
+                mgr.load(step=3)
+        mgr.save(4, state_of(4)).wait()
+        assert "refs" not in manifest_of(d, 4)
+        t = blank()
+        assert mgr.restore(t, step=4) == 4
+        same(t, state_of(4))
+
+
+def test_a_referencing_checkpoint_copied_alone_says_its_holder_is_missing(tmp_path):
+    """load() of a directory holding only a copy of an incremental checkpoint (its holder
+    left behind) says why nothing loads, not just "no valid checkpoint"."""
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=1) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state_of(s)).wait()
+    e = tmp_path / "copy"
+    shutil.copytree(d / step_name(2), e / step_name(2))
+    with pitstop.CheckpointManager(e, read_only=True) as r:
+        with pytest.warns(UserWarning), \
+                pytest.raises(pitstop.CheckpointNotFoundError, match="step_0000000001"):
+            r.load()
+
+
 def test_deleting_a_referenced_checkpoint_is_refused(tmp_path):
     d = tmp_path / "run"
     holder_run(d)
@@ -326,6 +367,41 @@ def test_a_rolled_back_run_never_references_the_checkpoints_it_moved_aside(tmp_p
         t = blank()
         assert mgr.restore(t) == 3
         same(t, state_of(3))
+
+
+def test_retention_keeps_what_a_checkpoint_moved_aside_as_abandoned_references(tmp_path):
+    """A rollback moves the abandoned run's checkpoints aside and pitstop says it keeps them:
+    one that references an older checkpoint's bytes must stay restorable, so retention keeps
+    that holder while the abandoned checkpoint is there, and deletes it once it is gone."""
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=3) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, state_of(s)).wait()
+        assert set(manifest_of(d, 4)["refs"]) == {step_name(1)}
+        assert mgr.restore(blank(), step=2) == 2
+        with pytest.warns(UserWarning, match="abandoned"):
+            mgr.save(3, state_of(3, frozen_seed=1)).wait()
+        for s in (4, 5, 6):
+            mgr.save(s, state_of(s, frozen_seed=1)).wait()
+        # 1: kept for the abandoned step 4; 3: the new run's holder
+        assert mgr.all_steps() == [1, 3, 4, 5, 6]
+        aside = sorted(n for n in os.listdir(d) if ".abandoned-" in n)
+        assert len(aside) == 2
+        # the abandoned checkpoint is still whole: copied back, it restores exactly
+        e = tmp_path / "back"
+        shutil.copytree(d / step_name(1), e / step_name(1))
+        shutil.copytree(d / aside[-1], e / step_name(4))
+        with pitstop.CheckpointManager(e, read_only=True) as r:
+            t = blank()
+            assert r.restore(t, step=4) == 4
+            same(t, state_of(4))
+        with pytest.raises(pitstop.CheckpointError, match="abandoned"):
+            mgr.delete(1)  # asked for: refused while an abandoned checkpoint reads from it
+        # once the abandoned checkpoints are deleted, the holder goes at the next retention
+        for n in aside:
+            shutil.rmtree(d / n)
+        mgr.save(7, state_of(7, frozen_seed=1)).wait()
+        assert steps_on_disk(d) == [3, 5, 6, 7]
 
 
 # =========================================================================== format

@@ -702,3 +702,38 @@ def test_restore_right_after_a_save_reads_the_staging_buffer(tmp_path, monkeypat
         assert mgr.restore(target, step=1) == 1
         np.testing.assert_array_equal(target["b"], np.arange(10))
         assert opened
+
+
+def test_a_periodic_save_waits_for_a_restore_reading_the_staging_buffer(tmp_path, monkeypatch):
+    """A restore reading the step just committed from its staging buffer holds that buffer
+    for the read only: a periodic ``step()`` save on another thread meanwhile waits for the
+    read (short) and saves, never skipped as "previous save still persisting"."""
+    import threading
+
+    def state(v):
+        return {"w": np.full(50_000, v, np.float32)}
+
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False, save_on_signals=None,
+                                   save_every_steps=1, max_in_flight=1) as mgr:
+        mgr.save(1, state(1.0)).wait()
+        # what a restore of step 1 holds while it reads the buffer
+        staged = mgr._engine.hold_staged(step_name(1))
+        assert staged is not None
+        waiting = threading.Event()
+        original = mgr.pool.cond.wait
+
+        def spy(timeout=None):
+            waiting.set()
+            return original(timeout)
+
+        monkeypatch.setattr(mgr.pool.cond, "wait", spy)
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.append(mgr.step(2, state(2.0))))
+        t.start()
+        while t.is_alive() and not waiting.is_set():
+            waiting.wait(0.01)
+        mgr.pool.release(staged[0])  # the read is done
+        t.join(60)
+        assert out and out[0] is not None, "the periodic save was skipped"
+        assert not out[0].result().skipped
+        assert mgr.all_steps() == [1, 2]
