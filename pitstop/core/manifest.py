@@ -707,17 +707,24 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
             f"once ({len(shards)} shards)", checkpoint=where, key=key, file="manifest.json")
 
 
-def _validate(doc: dict[str, Any], where: str) -> Manifest:
-    files: dict[str, int] = {}
-    for name, info in _object(doc["files"], "files").items():
+def _file_lengths(v: Any, what: str, where: str, kind: str) -> dict[str, int]:
+    """A ``{file name: {"length": n}}`` section (the checkpoint's own files, or those of a
+    checkpoint it references): plain file names only, lengths within bounds."""
+    out: dict[str, int] = {}
+    for name, info in _object(v, what).items():
         if not _FILE_NAME.fullmatch(name):
             raise CorruptCheckpointError(
-                f"{where}: data file name {name!r} is not a plain file name inside the checkpoint",
+                f"{where}: {kind} name {name!r} is not a plain file name inside the checkpoint",
                 checkpoint=where, file=name)
-        length = _object(info, f"files[{name!r}]")["length"]
+        length = _object(info, f"{what}[{name!r}]")["length"]
         if type(length) is not int or not 0 <= length <= MAX_BYTES:
-            raise ValueError(f"file {name}: bad length {_brief(length)}")
-        files[name] = length
+            raise ValueError(f"{kind} {name}: bad length {_brief(length)}")
+        out[name] = length
+    return out
+
+
+def _validate(doc: dict[str, Any], where: str) -> Manifest:
+    files = _file_lengths(doc["files"], "files", where, "data file")
     refs = _refs(doc.get("refs", {}), where)
     arrays = _entries(_object(doc["arrays"], "arrays"), where, files, refs)
     values = doc.get("values", {})
@@ -793,16 +800,8 @@ def _refs(v: Any, where: str) -> dict[str, dict[str, int]]:
             raise CorruptCheckpointError(
                 f"{where}: manifest.json references {_brief(holder)}, which is not the name "
                 "of a checkpoint", checkpoint=where, file="manifest.json")
-        held: dict[str, int] = {}
-        for name, info in _object(files, f"refs[{holder!r}]").items():
-            if not _FILE_NAME.fullmatch(name):
-                raise CorruptCheckpointError(
-                    f"{where}: referenced data file {name!r} is not a plain file name",
-                    checkpoint=where, file=name)
-            length = _object(info, f"refs[{holder!r}][{name!r}]")["length"]
-            if type(length) is not int or not 0 <= length <= MAX_BYTES:
-                raise ValueError(f"refs: file {name} of {holder}: bad length {_brief(length)}")
-            held[name] = length
+        held = _file_lengths(files, f"refs[{holder!r}]", where,
+                             f"referenced data file of {holder}")
         if not held:
             raise ValueError(f"refs: {holder} lists no data file")
         out[holder] = held
