@@ -305,7 +305,8 @@ class Engine:
         self._tier_warned = False
         #: the newest one-process checkpoint written plainly from a staging buffer: (name,
         #: buffer, the buffer's generation then, {data file: (offset in buffer, length)})
-        self.staged: tuple[str, StagingBuffer, int, dict[str, tuple[int, int]]] | None = None
+        self.staged: tuple[str, StagingBuffer, int, dict[str, tuple[int, int, Any]]] | None = \
+            None
         #: read the newest checkpoint back into the page cache (see :meth:`warm_newest`)
         self.warm_cache = True
         #: the newest committed checkpoint not yet warmed (name, data files)
@@ -746,10 +747,18 @@ class Engine:
                 job.release_buffer and not layout.sharded and \
                 all(len(_runs(g)) == 1 for g in groups if g):
             # each data file is a copy of one region of the staging buffer: until a save
-            # takes the buffer again, a restore of this step can read it from memory
-            self.staged = (name, buf, buf.generation, {
-                fname: (layout.offsets[g[0]], length)
-                for (fname, length, _e), g in zip(results, groups, strict=True) if fname})
+            # takes the buffer again (or the files change), a restore of this step can read
+            # it from memory
+            self.staged = None
+            stamp = getattr(self.storage, "file_stamp", None)
+            if stamp is not None:
+                try:
+                    self.staged = (name, buf, buf.generation, {
+                        fname: (layout.offsets[g[0]], length, stamp(name, fname))
+                        for (fname, length, _e), g in zip(results, groups, strict=True)
+                        if fname})
+                except OSError:
+                    pass  # (an optimisation: restores read from disk)
         self._committed(job, txn.location, t0, t_hashed, t_write, t_written)
         return manifest
 
@@ -758,9 +767,19 @@ class Engine:
         (give it back with ``pool.release``), when no save has taken it since; else None.
         Values: per data file, its offset in the buffer and its length."""
         staged = self.staged
-        if staged is None or staged[0] != name or not self.pool.hold(staged[1], staged[2]):
+        if staged is None or staged[0] != name:
             return None
-        return staged[1], staged[3]
+        stamp = getattr(self.storage, "file_stamp", None)
+        try:
+            # the files as they were written: one changed since (replaced, edited, damaged
+            # by hand) is read from disk, so the restore finds out what it holds
+            if stamp is None or any(stamp(name, f) != v[2] for f, v in staged[3].items()):
+                return None
+        except OSError:
+            return None
+        if not self.pool.hold(staged[1], staged[2]):
+            return None
+        return staged[1], {f: (v[0], v[1]) for f, v in staged[3].items()}
 
     # ------------------------------------------------------------------ incremental
     def _unchanged(self, step: int, layout: Layout, hashes: dict[str, str]

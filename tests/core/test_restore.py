@@ -737,3 +737,23 @@ def test_a_periodic_save_waits_for_a_restore_reading_the_staging_buffer(tmp_path
         assert out and out[0] is not None, "the periodic save was skipped"
         assert not out[0].result().skipped
         assert mgr.all_steps() == [1, 2]
+
+
+def test_a_data_file_changed_on_disk_after_the_save_is_read_from_disk(tmp_path, caplog):
+    """The staging buffer stands for the checkpoint's files only while they are as written:
+    a file damaged (or replaced) after the save is read from disk, so the restore finds the
+    damage and falls back, as it would in a new process."""
+    def state(v):
+        return {"w": np.full(5000, v, np.float32)}
+
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False) as mgr:
+        mgr.save(1, state(1.0)).wait()
+        mgr.save(2, state(2.0)).wait()
+        data = next((tmp_path / "c" / step_name(2)).glob("data-*.bin"))
+        raw = bytearray(data.read_bytes())
+        raw[10] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        target = state(0.0)
+        with pytest.warns(UserWarning, match="corrupt"):
+            assert mgr.restore(target) == 1
+        np.testing.assert_array_equal(target["w"], 1.0)

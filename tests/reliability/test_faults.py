@@ -152,6 +152,9 @@ def test_an_io_error_in_the_middle_of_a_restore_says_what_it_overwrote(tmp_path)
     with pitstop.CheckpointManager(storage, memory_tier=False, save_on_signals=None,
                                    writer_threads=1) as mgr:
         mgr.save(1, state).result(timeout=60)
+    # (a new manager: the one that saved would read its staging buffer, not the disk)
+    with pitstop.CheckpointManager(storage, memory_tier=False, save_on_signals=None,
+                                   writer_threads=1) as mgr:
         target = {k: np.zeros(1000) for k in state}
         storage.arm("read", 3, errno.EIO)  # the manifest, a, then b fails
         with pytest.raises(pitstop.CheckpointError) as info:

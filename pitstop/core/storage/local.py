@@ -263,6 +263,13 @@ class LocalStorage(Storage):
             raise ValueError(f"not a transaction token of this storage: {token!r}")
         return _LocalTransaction(self, name, token)
 
+    def file_stamp(self, name: str, relpath: str) -> tuple[int, int, int, int]:
+        """What changes when one of a checkpoint's files is replaced or written to (inode,
+        size, modification and change times): a copy of it elsewhere (the staging buffer)
+        stands for it only while this stays the same."""
+        st = os.stat(self._safe(name, relpath), follow_symlinks=False)
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
     def warm_cache(self, name: str, files: Iterable[str]) -> None:
         """Ask the kernel to read a just-committed checkpoint's data files back into the page
         cache, in the background (``POSIX_FADV_WILLNEED``, one read-ahead window per call).
