@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import floor_memcpy, make_state, train_step  # noqa: E402
+from bench_save import floor_memcpy, lost_to_one_save, make_state  # noqa: E402
 
 import pitstop  # noqa: E402
 from pitstop.core import engine as E  # noqa: E402
@@ -25,26 +25,12 @@ from pitstop.core import engine as E  # noqa: E402
 
 def save_and_train(mgr: pitstop.CheckpointManager, step: int, state: dict, w: np.ndarray,
                    g: np.ndarray) -> tuple[float, float]:
-    """One save to durable commit (seconds), then the training time one save costs a numpy
-    loop that runs until its commit (the loop's time minus its steps at their plain speed)."""
+    """One save to durable commit (seconds), then the training time the next save costs a
+    numpy loop that runs until its commit (bench_save.lost_to_one_save)."""
     t0 = time.perf_counter()
     mgr.save(step, state).wait()
     commit = time.perf_counter() - t0
-    for _ in range(5):
-        train_step(w, g)
-    t = time.perf_counter()
-    for _ in range(30):
-        train_step(w, g)
-    step_s = (time.perf_counter() - t) / 30
-    t0 = time.perf_counter()
-    h = mgr.save(step + 1, state)
-    n = 0
-    while not h.done():
-        train_step(w, g)
-        n += 1
-    t1 = time.perf_counter()
-    h.wait()
-    return commit, max(0.0, (t1 - t0) - n * step_s)
+    return commit, lost_to_one_save(mgr, step + 1, state, w, g)[1]
 
 
 def main() -> None:

@@ -123,6 +123,32 @@ def floor_read(dst: list[np.ndarray], ckpt: str) -> float:
     return time.perf_counter() - t
 
 
+def lost_to_one_save(mgr: pitstop.CheckpointManager, step: int, state: dict, w: np.ndarray,
+                     g: np.ndarray) -> tuple[float, float]:
+    """Training time lost to one save: a numpy loop runs from ``save()`` until the commit;
+    returns its wall time and that time minus its steps at their plain speed (measured just
+    before and just after, so drift cancels): the stall plus the slowdown until the commit."""
+    for _ in range(5):
+        train_step(w, g)
+    t = time.perf_counter()
+    for _ in range(30):
+        train_step(w, g)
+    step_s = (time.perf_counter() - t) / 30
+    t0 = time.perf_counter()
+    h = mgr.save(step, state)
+    steps = 0
+    while not h.done():
+        train_step(w, g)
+        steps += 1
+    t1 = time.perf_counter()
+    h.wait()
+    t = time.perf_counter()
+    for _ in range(30):
+        train_step(w, g)
+    step_s = (step_s + (time.perf_counter() - t) / 30) / 2
+    return t1 - t0, max(0.0, (t1 - t0) - steps * step_s)
+
+
 def measure(state: dict, workdir: str, reps: int, memory_tier: bool,
             writer_threads: int | None = None, encryption: object = None) -> dict:
     """Each figure next to its floor, interleaved rep by rep (floor, pitstop, floor, ...) so
@@ -162,27 +188,9 @@ def measure(state: dict, workdir: str, reps: int, memory_tier: bool,
             h.wait()
             rows["save_to_commit"].append(time.perf_counter() - t0)
             rows["write_fsync"].append(floor_write(arrays, floor_path))
-            # training time lost: the stall plus how much slower the loop ran until the commit
-            for _ in range(5):
-                train_step(w, g)
-            t = time.perf_counter()
-            for _ in range(30):
-                train_step(w, g)
-            step_s = (time.perf_counter() - t) / 30
-            t0 = time.perf_counter()
-            h = mgr.save(step + 1, state)
-            steps = 0
-            while not h.done():
-                train_step(w, g)
-                steps += 1
-            t1 = time.perf_counter()
-            h.wait()
-            t = time.perf_counter()  # the loop's speed right after, too: drift cancels
-            for _ in range(30):
-                train_step(w, g)
-            step_s = (step_s + (time.perf_counter() - t) / 30) / 2
-            rows["save_to_commit_training"].append(t1 - t0)
-            rows["lost_per_save"].append(max(0.0, (t1 - t0) - steps * step_s))
+            loop_s, lost_s = lost_to_one_save(mgr, step + 1, state, w, g)
+            rows["save_to_commit_training"].append(loop_s)
+            rows["lost_per_save"].append(lost_s)
             rows["read_warm"].append(floor_read(dst, os.path.join(d, step_name(0))))
             t = time.perf_counter()
             reader.restore(target, step=0)

@@ -1167,6 +1167,14 @@ class CheckpointManager:
                      checked: Callable[[CheckpointError | None], None] | None = None
                      ) -> RestoreReport:
         name = self.naming.name(step)
+
+        def read(storage: Any) -> RestoreReport:
+            with self.storage.read_lease(name):
+                reader = CheckpointReader(storage, name, naming=self.naming,
+                                          encryption=self.encryption)
+                self._use_rank(reader)
+                return reader.restore_into(flat, strict, checked)
+
         staged = self._engine.hold_staged(name) if self._engine is not None else None
         if staged is not None:
             # written from a staging buffer no save has taken since: read the data from it
@@ -1174,26 +1182,17 @@ class CheckpointManager:
             # that fails in any way
             buf, files = staged
             try:
-                with self.storage.read_lease(name):
-                    reader = CheckpointReader(StagedStorage(self.storage, name, buf.buf, files),
-                                              name, naming=self.naming,
-                                              encryption=self.encryption)
-                    self._use_rank(reader)
-                    return reader.restore_into(flat, strict, checked)
+                return read(StagedStorage(self.storage, name, buf.buf, files))
             except CorruptCheckpointError as e:
                 log.warning("pitstop: the staging buffer step %d was written from no longer "
                             "matches the checkpoint (%s); reading it from %s instead",
-                            step, getattr(e, "what", e), self._path(step))
+                            step, e, self._path(step))
             except OSError:
                 pass  # the same read from disk says what is wrong, below
             finally:
                 self.pool.release(buf)
         try:
-            with self.storage.read_lease(name):
-                reader = CheckpointReader(self.storage, name, naming=self.naming,
-                                          encryption=self.encryption)
-                self._use_rank(reader)
-                return reader.restore_into(flat, strict, checked)
+            return read(self.storage)
         except CorruptCheckpointError:
             self._distrust_previous()
             raise
