@@ -385,36 +385,58 @@ def _no_meta(listing: Listing) -> str:
     return f"no {META_DIR}/ inside"
 
 
-def _single_checkpoint_hint(listing: Listing, command: str) -> str:
-    """When DIR is itself one checkpoint (a common slip), how to name it instead."""
+def _as_checkpoint(listing: Listing) -> tuple[Storage, int] | None:
+    """When the listed directory is itself one committed checkpoint (``.../step_0000000003``):
+    the storage of the run directory that holds it, and its step; else None."""
     loc = listing.location
     if listing.objects is not None:
         above = listing.storage.parent() if listing.storage is not None else None
         if MANIFEST not in listing.objects.files or above is None:
-            return ""
-        parent, base = above.location, loc.rpartition("/")[2]
-        try:  # the naming of the directory that would hold it
-            naming = _naming(above)
-        except CliError:
-            naming = DEFAULT
-        step = naming.parse(base)
-        if step is None:
-            return ""
-        which = f" --step {step}" if command in ("inspect", "verify") else ""
-        return (f"; {loc} is one checkpoint, give the directory that holds it: "
-                f"pitstop {command} {parent}{which}")
-    try:  # the naming of the directory that would hold it
-        naming = _naming(LocalStorage(os.path.dirname(loc), create=False))
+            return None
+        base = loc.rstrip("/").rpartition("/")[2]
+    else:
+        parent = os.path.dirname(os.path.abspath(loc))
+        if not os.path.isfile(os.path.join(loc, MANIFEST)) or parent == os.path.abspath(loc):
+            return None
+        above, base = LocalStorage(parent, create=False), os.path.basename(os.path.abspath(loc))
+    try:  # the naming of the directory that holds it
+        naming = _naming(above)
     except CliError:
         naming = DEFAULT
-    step = naming.parse(os.path.basename(loc))
-    if step is None or not os.path.isfile(os.path.join(loc, MANIFEST)):
+    step = naming.parse(base)
+    return None if step is None else (above, step)
+
+
+def _single_checkpoint_hint(listing: Listing, command: str) -> str:
+    """When DIR is itself one checkpoint (a common slip), how to name it instead."""
+    one = _as_checkpoint(listing)
+    if one is None:
         return ""
+    above, step = one
     which = f" --step {step}" if command in ("inspect", "verify") else ""
-    return (
-        f"; {loc} is one checkpoint, give the directory that holds it: "
-        f"pitstop {command} {os.path.dirname(loc)}{which}"
-    )
+    return (f"; {listing.location} is one checkpoint, give the directory that holds it: "
+            f"pitstop {command} {above.location}{which}")
+
+
+def _locate(path: str, step: int | None, options: list[str] | None, command: str
+            ) -> tuple[Storage, int | None]:
+    """The run directory's storage and the step a command that reads one checkpoint asks
+    for: ``path`` is a run directory (``step``: the one given with --step, None for the
+    newest) or a checkpoint's own directory (``.../step_0000000003``: that step)."""
+    storage = _open(path, options)
+    listing = _scan(storage)
+    if listing.steps or listing.has_meta:
+        return storage, step
+    one = _as_checkpoint(listing)
+    if one is None:
+        return storage, step  # the command's own message says what is missing here
+    above, own = one
+    if step is not None and step != own:
+        raise CliError(
+            f"{listing.location} is the checkpoint of step {own}, and --step {step} asks for "
+            f"another: give the run directory instead (pitstop {command} {above.location} "
+            f"--step {step}), or drop --step")
+    return above, own
 
 
 def _no_checkpoint(listing: Listing, command: str) -> str:
@@ -683,12 +705,12 @@ def _pick_live(storage: Storage, step: int | None, command: str) -> tuple[int, N
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage = _open(args.dir, args.storage_option)
+    storage, want = _locate(args.dir, args.step, args.storage_option, "inspect")
     for attempt in range(10):
-        step, naming = _pick_live(storage, args.step, "inspect")
+        step, naming = _pick_live(storage, want, "inspect")
         name = naming.name(step)
         where = storage.path_of(name)
-        retry = args.step is None and attempt < 9
+        retry = want is None and attempt < 9
         with _lease(storage, name):
             if retry and _gone(storage, name):
                 continue  # deleted by a live trainer's retention before the lease: look again
@@ -794,7 +816,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ====================================================================== verify
 def cmd_verify(args: argparse.Namespace) -> int:
     _encryption()  # a malformed key is said once, before any checkpoint is read
-    storage = _open(args.dir, args.storage_option)
+    storage, want = _locate(args.dir, args.step, args.storage_option, "verify")
+    if args.all and want is not None:
+        raise CliError(f"{args.dir} is one checkpoint (step {want}); --all verifies every "
+                       f"checkpoint of a run directory: pitstop verify {storage.location} --all")
     listing = _scan(storage)
     naming = listing.naming
     if args.all:
@@ -809,7 +834,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not steps:
             raise CliError(_no_checkpoint(listing, "verify"))
     else:
-        picked, naming = _pick_live(storage, args.step, "verify")
+        picked, naming = _pick_live(storage, want, "verify")
         steps = [picked]
     failed: list[int] = []
     unchecked: list[str] = []
@@ -823,7 +848,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with _lease(storage, name):
             if _gone(storage, name):
                 # deleted by a live trainer's retention between listing and reading
-                if not args.all and args.step is None and repicks < 9:
+                if not args.all and want is None and repicks < 9:
                     repicks += 1  # the newest one was asked for: the next newest it is
                     picked, naming = _pick_live(storage, None, "verify")
                     steps = [picked]

@@ -124,6 +124,13 @@ def test_an_invalid_recorded_naming_is_a_clear_error(run_dir, capsys):
 
 def test_one_checkpoint_given_as_dir_is_recognised_by_its_directorys_naming(run_dir, capsys):
     d, naming = run_dir
-    rc, _, err = run(capsys, "verify", d / naming.name(9))
-    assert rc == 2 and f"is one checkpoint, give the directory that holds it: " \
-        f"pitstop verify {d} --step 9" in err
+    rc, out, err = run(capsys, "verify", d / naming.name(9))
+    assert rc == 0 and "step 9: ok" in out, err
+    rc, out, err = run(capsys, "inspect", d / naming.name(9))
+    assert rc == 0 and out.startswith("step 9:"), err
+    rc, _, err = run(capsys, "inspect", d / naming.name(9), "--step", "7")
+    assert rc == 2 and f"pitstop inspect {d} --step 7" in err, err
+    rc, _, err = run(capsys, "verify", d / naming.name(9), "--all")
+    assert rc == 2 and f"pitstop verify {d} --all" in err, err
+
+

@@ -583,10 +583,12 @@ def test_a_regular_file_is_not_a_directory(world, capsys):
     assert rc == 2 and "no such directory" in err
 
 
-def test_a_single_checkpoint_given_names_its_parent(world, capsys):
+def test_a_single_checkpoint_given_is_read_and_gc_names_its_parent(world, capsys):
     d, *_ = world
-    rc, _, err = run(capsys, "verify", ck(d, 20))
-    assert rc == 2 and f"give the directory that holds it: pitstop verify {d} --step 20" in err
+    rc, out, err = run(capsys, "verify", ck(d, 20))
+    assert rc == 0 and "step 20: ok" in out, err
+    rc, _, err = run(capsys, "gc", ck(d, 20), "--dry-run")
+    assert rc == 2 and f"give the directory that holds it: pitstop gc {d}" in err, err
 
 
 def test_empty_directory_and_one_without_pitstop(world, capsys):

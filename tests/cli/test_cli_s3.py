@@ -144,10 +144,10 @@ def test_url_mistakes_are_one_clear_line(bucket, s3env, capsys, monkeypatch, tmp
 
 
 def test_one_checkpoint_given_instead_of_its_directory(url, capsys):
-    rc, _, err = run(capsys, "inspect", f"{url}/{step_name(20)}")
-    assert rc == 2
-    assert f"is one checkpoint, give the directory that holds it: pitstop inspect {url} " \
-        "--step 20" in err, err
+    rc, out, err = run(capsys, "inspect", f"{url}/{step_name(20)}")
+    assert rc == 0 and out.startswith("step 20:"), err
+    rc, out, err = run(capsys, "verify", f"{url}/{step_name(20)}/")
+    assert rc == 0 and "step 20: ok" in out, err
 
 
 def test_memory_url(capsys):
