@@ -389,6 +389,7 @@ def _as_checkpoint(listing: Listing) -> tuple[Storage, int] | None:
     """When the listed directory is itself one committed checkpoint (``.../step_0000000003``):
     the storage of the run directory that holds it, and its step; else None."""
     loc = listing.location
+    above: Storage | None
     if listing.objects is not None:
         above = listing.storage.parent() if listing.storage is not None else None
         if MANIFEST not in listing.objects.files or above is None:
@@ -404,7 +405,7 @@ def _as_checkpoint(listing: Listing) -> tuple[Storage, int] | None:
     except CliError:
         naming = DEFAULT
     step = naming.parse(base)
-    return None if step is None else (above, step)
+    return None if step is None or above is None else (above, step)
 
 
 def _single_checkpoint_hint(listing: Listing, command: str) -> str:
