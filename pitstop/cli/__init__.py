@@ -1234,6 +1234,8 @@ def build_parser() -> argparse.ArgumentParser:
     from . import demo
 
     demo.add_parser(sub)
+    from . import diff as _diff; _diff.add_parser(sub)  # noqa: E702
+    from . import convert as _convert; _convert.add_parsers(sub)  # noqa: E702
     return p
 
 
