@@ -1234,8 +1234,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import demo
 
     demo.add_parser(sub)
-    from . import diff as _diff; _diff.add_parser(sub)  # noqa: E702
-    from . import convert as _convert; _convert.add_parsers(sub)  # noqa: E702
+    from . import convert, diff  # pitstop diff, export, import
+
+    diff.add_parser(sub)
+    convert.add_parsers(sub)
     return p
 
 

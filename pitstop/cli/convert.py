@@ -139,7 +139,7 @@ def _sub_structure(structure: Any, comps: list[str]) -> Any:
                 return None
             node = found[0]
         elif "$t" in node or "$l" in node:
-            items = node.get("$t", node.get("$l"))
+            items: list[Any] = node.get("$t", node.get("$l")) or []
             if not c.isdigit() or int(c) >= len(items):
                 return None
             node = items[int(c)]
@@ -336,6 +336,10 @@ def read_safetensors(path: str, key: str | None) -> tuple[Any, int | None, dict[
     if isinstance(meta, dict) and isinstance(meta.get("pitstop"), str):
         try:
             doc = json.loads(meta["pitstop"])
+            for name, kp in (doc.get("keys") or {}).items():
+                plain = "/".join(join("", c) for c in name.split("/"))
+                if plain in leaves and isinstance(kp, str):
+                    leaves[kp] = leaves.pop(plain)
             for kp, v in (doc.get("values") or {}).items():
                 leaves[kp] = decode_value(v)
             step = doc.get("step") if type(doc.get("step")) is int else None
@@ -494,8 +498,9 @@ def _save_tree(tree: Any, dest: str, step: int, metrics: dict[str, Any] | None,
                naming: dict[str, Any] | None = None) -> int:
     """Save a tree of numpy arrays and values as committed step ``step`` of ``dest``."""
     from ..core.manager import CheckpointManager
-    _refuse_existing(dest, step)
-    opts: dict[str, Any] = dict(async_save=False, save_on_signals=None, memory_tier=False)
+    key = _refuse_existing(dest, step)
+    opts: dict[str, Any] = dict(async_save=False, save_on_signals=None, memory_tier=False,
+                                encryption=key)
     if naming and not os.path.isdir(os.path.join(dest, ".pitstop")):
         opts.update(naming)
     mgr = CheckpointManager(dest, **opts)
@@ -506,20 +511,24 @@ def _save_tree(tree: Any, dest: str, step: int, metrics: dict[str, Any] | None,
     return step
 
 
-def _refuse_existing(dest: str, step: int) -> None:
+def _refuse_existing(dest: str, step: int) -> Any:
+    """Raise StepExistsError when ``dest`` has ``step``; returns the key of an encrypted
+    ``dest`` (from PITSTOP_ENCRYPTION_KEY), so the import is encrypted as its checkpoints."""
     from ..core.errors import StepExistsError
     from ..core.manager import CheckpointManager
     if not os.path.isdir(dest):
-        return
+        return None
     mgr = CheckpointManager(dest, read_only=True, save_on_signals=None)
     try:
         exists = step in mgr.all_steps()
+        key = mgr.encryption
     finally:
         mgr.close()
     if exists:
         raise StepExistsError(f"{dest} already has a checkpoint of step {step}; pitstop never "
                               "overwrites one: import with another --step, into another "
                               "directory, or delete that checkpoint first")
+    return key
 
 
 def _check_dest(dest: str) -> None:

@@ -206,7 +206,7 @@ class Result:
 
 def _type_text(e: ArrayEntry) -> str:
     dt = decode_dtype(e.dtype)
-    name = e.dtype if isinstance(e.dtype, str) and not e.dtype[:1] in "<>|=" else dt.name
+    name = e.dtype if isinstance(e.dtype, str) and e.dtype[:1] not in "<>|=" else dt.name
     return f"{name} [{', '.join(map(str, e.shape))}]"
 
 
@@ -294,13 +294,12 @@ def diff(a: Side, b: Side, atol: float | None, rtol: float | None) -> Result:
             res.only_a = [k for k in res.only_a if k != key]
             res.only_b = [k for k in res.only_b if k != key]
             continue
-        ta = _value_text(va[key]) if key in va else None
-        tb = _value_text(vb[key]) if key in vb else None
+        ta = _value_text(va[key]) if key in va else "(absent)"
+        tb = _value_text(vb[key]) if key in vb else "(absent)"
         if ta == tb:
             res.same_values += 1
         else:
-            res.values.append((key, "(absent)" if ta is None else ta,
-                               "(absent)" if tb is None else tb))
+            res.values.append((key, ta, tb))
     return res
 
 
