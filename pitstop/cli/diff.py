@@ -37,11 +37,11 @@ EPILOG = """\
 Equality: exact (bit for bit; a NaN equals any NaN) unless --atol/--rtol are given:
 then |b - a| <= atol + rtol * |a|, with A the reference. Max rel is |b - a| / |a|.
 Exit status: 0 identical, 1 they differ, 2 any error (missing or corrupt checkpoint).
+More: pitstop diff runs/a runs/b (newest of each); pitstop diff runs/a/step_0000000100
+runs/b --step-b 100 --atol 1e-6.
 
-examples:
-  pitstop diff runs/a runs/b                     newest of each
-  pitstop diff runs/a --step 100 --step 200      two steps of one run
-  pitstop diff runs/a/step_0000000100 runs/b --step-b 100 --atol 1e-6
+example:
+  pitstop diff runs/a --step 100 --step 200
 """
 
 
@@ -81,7 +81,6 @@ class ArrayDiff:
     max_rel: float | None = None
     #: differing elements where one side is NaN or infinite and the other is not the same
     nonfinite: int = 0
-    by_hash: bool = False
 
 
 def _floatish(dt: np.dtype) -> bool:
@@ -95,6 +94,12 @@ def _bits(x: np.ndarray) -> np.ndarray:
     if size in (1, 2, 4, 8) and not x.dtype.hasobject:
         return flat.view(f"u{size}")
     return flat.view(np.uint8).reshape(flat.size, size) if flat.size else flat.view(np.uint8)
+
+
+def _unequal_bits(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element of two flat arrays: whether their bits differ."""
+    ne = _bits(a) != _bits(b)
+    return ne.any(axis=1) if ne.ndim == 2 else ne
 
 
 def _as_number(x: np.ndarray) -> np.ndarray:
@@ -112,21 +117,17 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, atol: float | None,
     out = ArrayDiff(size=int(a.size))
     fa, fb = a.reshape(-1), b.reshape(-1)
     dt = a.dtype
-    numeric = dt.kind in "biufc" or dt in ML_FLOATS
+    numeric = (dt.kind in "biufc" or dt in ML_FLOATS) and dt.fields is None
     floaty = _floatish(dt)
     tolerant = atol is not None or rtol is not None
     at, rt = atol or 0.0, rtol or 0.0
     for lo in range(0, fa.size, CHUNK):
         ca, cb = fa[lo:lo + CHUNK], fb[lo:lo + CHUNK]
-        if dt.kind in "SUV" and dt not in ML_FLOATS or dt.fields is not None:
-            ba, bb = _bits(ca), _bits(cb)
-            ne = ba != bb
-            if ne.ndim == 2:
-                ne = ne.any(axis=1)
-            out.differ += int(ne.sum())
+        if not numeric:  # strings, dates, structured, ml_dtypes ints: count elements only
+            out.differ += int(_unequal_bits(ca, cb).sum())
             continue
         if not tolerant:
-            ne = _bits(ca) != _bits(cb)
+            ne = _unequal_bits(ca, cb)
             if not ne.any():
                 continue
             na, nb = _as_number(ca[ne]), _as_number(cb[ne])
