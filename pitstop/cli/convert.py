@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import struct
 import tempfile
 import zipfile
@@ -54,6 +55,7 @@ IMPORT_EPILOG = """\
 formats (--from; guessed from SRC when not given): torch (a torch.save file), dcp (a
 torch.distributed.checkpoint directory), tf (a native TensorFlow checkpoint prefix),
 orbax (an Orbax CheckpointManager directory or one checkpoint), safetensors, npz.
+A TensorFlow directory (with its "checkpoint" file) imports its newest checkpoint.
 
 example:
   pitstop import model.pt runs/exp1 --step 0
@@ -376,7 +378,7 @@ def detect(src: str) -> str | None:
             return "dcp"
         if _is_orbax(src):
             return "orbax"
-        return None
+        return "tf" if _tf_latest(src) else None
     if os.path.exists(src + ".index"):
         return "tf"
     if not os.path.isfile(src):
@@ -404,10 +406,26 @@ def detect(src: str) -> str | None:
     return None
 
 
+def _tf_latest(directory: str) -> str | None:
+    """The newest checkpoint prefix a TensorFlow ``checkpoint`` state file in ``directory``
+    names (what ``tf.train.latest_checkpoint`` gives), when its ``.index`` is there."""
+    try:
+        with open(os.path.join(directory, "checkpoint"), encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeDecodeError):
+        return None
+    m = re.search(r'^model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', text, re.M)
+    if m is None:
+        return None
+    prefix = os.path.join(directory, re.sub(r"\\(.)", r"\1", m.group(1)))
+    return prefix if os.path.isfile(prefix + ".index") else None
+
+
 def _tf_prefix(src: str) -> str:
-    for suffix in (".index",):
-        if src.endswith(suffix) and os.path.isfile(src):
-            return src[: -len(suffix)]
+    if os.path.isdir(src):
+        return _tf_latest(src) or src
+    if src.endswith(".index") and os.path.isfile(src):
+        return src[: -len(".index")]
     if ".data-" in os.path.basename(src) and os.path.isfile(src):
         return src[: src.rindex(".data-")]
     return src
@@ -554,10 +572,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     if fmt is not None and fmt not in IMPORTS:
         raise cli.CliError(f"--from {args.fmt}: unknown format; give one of "
                            f"{', '.join(IMPORTS)}")
-    if fmt == "tf" or (fmt is None and os.path.exists(src + ".index")) or \
-            src.endswith(".index") or ".data-" in os.path.basename(src):
-        if fmt in (None, "tf"):
-            src = _tf_prefix(src)
+    if fmt == "tf" or (fmt is None and (src.endswith(".index") or ".data-" in
+                                        os.path.basename(src) or _tf_latest(src))):
+        src = _tf_prefix(src)
     if not os.path.exists(src) and not os.path.exists(src + ".index"):
         raise cli.CliError(f"{src}: no such file or directory; check the path")
     if fmt is None:

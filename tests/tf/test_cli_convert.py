@@ -40,6 +40,9 @@ def test_tf_native_imports_with_its_values_and_save_counter(tmp_path, capsys):
     assert "already has a checkpoint of step 2" in capsys.readouterr().err
     assert main(["import", prefix, str(tmp_path / "run"), "--from", "tf", "--step", "9"]) == 0
     capsys.readouterr()
+    # the directory: its newest checkpoint (the "checkpoint" state file's), as TF's own
+    assert main(["import", str(tmp_path / "tf"), str(tmp_path / "latest")]) == 0
+    assert f"from {prefix} as step 2" in capsys.readouterr().out
     # a truncated data file: one line, exit 2
     data = tmp_path / "tf" / "ckpt-1.data-00000-of-00001"
     data.write_bytes(data.read_bytes()[:8])
