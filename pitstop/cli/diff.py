@@ -1,8 +1,8 @@
 """``pitstop diff A B``: which arrays and values differ between two checkpoints, by how much.
 
-Arrays are matched by key path and compared one at a time through each checkpoint's reader
-(hash-verified as a restore reads them), so memory holds at most one array of each side at
-once. Two arrays whose stored bytes have the same hash (same hash algorithm, same codec,
+Arrays are matched by key path and compared one pair at a time, hash-verified as a restore
+reads them: memory holds at most one array of each side at once, and only a chunk of each
+for large plain arrays (:data:`STREAM_MIN`). Two arrays whose stored bytes have the same hash (same hash algorithm, same codec,
 same dtype and shape) are equal without a byte being read: a checkpoint compared with itself,
 or an incremental one with the checkpoint it references, costs only the manifests.
 
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..core.dtypes import ML_FLOATS, decode_dtype
+from ..core.hashing import new_hasher
 from ..core.manifest import ArrayEntry, Manifest
 from ..core.reader import CheckpointReader, nbytes_of
 from ..core.tree import encode_value
@@ -32,6 +33,10 @@ from ..core.tree import encode_value
 DIFFER = 1
 #: elements compared per step of a large array (bounds the temporaries to a few of these)
 CHUNK = 1 << 20
+#: arrays of at least this many bytes, stored whole and plain (uncompressed, unencrypted) on
+#: both sides, are read and compared chunk by chunk (their hashes checked at the end)
+#: instead of whole: memory is then a chunk of each side, whatever the array's size
+STREAM_MIN = 64 << 20
 
 EPILOG = """\
 Equality: exact (bit for bit; a NaN equals any NaN) unless --atol/--rtol are given:
@@ -277,10 +282,13 @@ def diff(a: Side, b: Side, atol: float | None, rtol: float | None) -> Result:
             res.same_arrays += 1
             res.same_by_hash += 1
             continue
-        xa = _read(a, key, ea)
-        xb = _read(b, key, eb)
-        d = compare_arrays(xa, xb, atol, rtol)
-        del xa, xb
+        if _streamable(a, ea) and _streamable(b, eb) and nbytes_of(ea) >= STREAM_MIN:
+            d = _compare_streamed(a, b, key, ea, eb, atol, rtol)
+        else:
+            xa = _read(a, key, ea)
+            xb = _read(b, key, eb)
+            d = compare_arrays(xa, xb, atol, rtol)
+            del xa, xb
         if d.differ:
             res.arrays.append((key, ta, d))
         else:
@@ -302,6 +310,59 @@ def diff(a: Side, b: Side, atol: float | None, rtol: float | None) -> Result:
         else:
             res.values.append((key, ta, tb))
     return res
+
+
+def _streamable(side: Side, entry: ArrayEntry) -> bool:
+    """Stored whole and plain: its bytes are the array's, readable piece by piece."""
+    return (entry.shards is None and entry.codec == "none"
+            and side.manifest.encryption is None)
+
+
+def _merge(total: ArrayDiff, part: ArrayDiff) -> None:
+    total.size += part.size
+    total.differ += part.differ
+    total.nonfinite += part.nonfinite
+    for name in ("max_abs", "max_rel"):
+        mine, theirs = getattr(total, name), getattr(part, name)
+        if theirs is not None:
+            setattr(total, name, theirs if mine is None else max(mine, theirs))
+
+
+def _compare_streamed(a: Side, b: Side, key: str, ea: ArrayEntry, eb: ArrayEntry,
+                      atol: float | None, rtol: float | None) -> ArrayDiff:
+    """:func:`compare_arrays` of two plain arrays read :data:`CHUNK` elements at a time
+    from both checkpoints, each side's hash checked once its last chunk is read (a
+    mismatch is an error: nothing is reported of a checkpoint whose bytes changed)."""
+    from . import CliError, _failure
+    dt = decode_dtype(ea.dtype)
+    n = math.prod(ea.shape)
+    total = ArrayDiff()
+    sides = [(a, ea, new_hasher(a.manifest.hash_algorithm), np.empty(min(n, CHUNK), dt)),
+             (b, eb, new_hasher(b.manifest.hash_algorithm), np.empty(min(n, CHUNK), dt))]
+    for lo in range(0, n, CHUNK):
+        got = []
+        for side, entry, h, buf in sides:
+            part = buf[:min(CHUNK, n - lo)]
+            raw = part.view(np.uint8)
+            try:
+                read = side.reader.storage.read_into(
+                    entry.ref or side.reader.name, entry.file,
+                    entry.offset + lo * dt.itemsize, raw)
+            except Exception as e:  # noqa: BLE001 - a vanished file, an I/O error
+                _code, why = _failure(e, side.where)
+                raise CliError(f"{side.label}: {why}") from None
+            if read != raw.nbytes:
+                raise CliError(f"{side.label}: {side.where}: array {key!r} in {entry.file}: "
+                               "the data file ends early (truncated)")
+            h.update(raw)
+            got.append(part)
+        _merge(total, compare_arrays(got[0], got[1], atol, rtol))
+    for side, entry, h, _buf in sides:
+        if h.hexdigest() != entry.hash:
+            raise CliError(f"{side.label}: {side.where}: array {key!r} in {entry.file} at "
+                           f"offset {entry.offset}: hash mismatch: expected {entry.hash}, "
+                           f"found {h.hexdigest()} (the bytes on disk changed)")
+    return total
 
 
 def _read(side: Side, key: str, entry: ArrayEntry) -> np.ndarray:
