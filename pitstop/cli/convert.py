@@ -19,13 +19,15 @@ allow_pickle=False)`` reads every member.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import struct
+import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -602,6 +604,26 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null meanwhile: the log lines TensorFlow's native
+    code prints as it loads (an ImportError is still raised, and reported after)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) -> list[int]:
     """Import ``src`` of format ``fmt``; returns the steps written."""
     if fmt in ("npz", "safetensors"):
@@ -626,9 +648,10 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) ->
                                   "holding .metadata")
         return [import_dcp(src, dest, s, key=key)]
     if fmt == "tf":
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # (TensorFlow's start-up chatter)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:
-            from ..adapters.tf.convert import import_native
+            with _native_stderr_muted():  # TensorFlow's start-up chatter (oneDNN, absl)
+                from ..adapters.tf.convert import import_native
         except ImportError as e:
             raise _framework_missing(fmt, e) from None
         return [import_native(src, dest, step, key=key)]
