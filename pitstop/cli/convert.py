@@ -486,6 +486,7 @@ def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | 
             except ImportError as e:
                 raise cli.CliError(f"--to orbax needs jax and orbax-checkpoint ({e}); "
                                    "pip install 'pitstop[jax]'") from None
+            _quiet_absl()
             export_orbax(directory, step, out, key=key)
         else:
             try:
@@ -659,7 +660,15 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) ->
         from ..adapters.jax.orbax import import_orbax
     except ImportError as e:
         raise _framework_missing(fmt, e) from None
+    _quiet_absl()
     return import_orbax(src, dest, step=step)
+
+
+def _quiet_absl() -> None:
+    """Orbax logs routine notes as warnings ("Given directory is read only"): the command
+    shows only errors of it."""
+    import logging
+    logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 __all__ = ["add_parsers", "cmd_export", "cmd_import", "detect", "read_npz",
