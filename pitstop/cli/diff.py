@@ -244,6 +244,9 @@ def _open_side(path: str, step: int | None, label: str, newest: int = 0) -> Side
 
     from . import CliError, _checked, _lease, _locate, _pick_live, _reader, _scan
     storage, want = _locate(path, step, None, "diff")
+    if newest and want is not None:
+        raise CliError(f"{path} is one checkpoint (step {want}): give B, the checkpoint to "
+                       "compare it with")
     if want is None and newest:
         steps = _scan(storage).steps
         if len(steps) < 2:

@@ -146,6 +146,10 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
     assert rc == 2 and "no such directory" in err
     rc, _, err = run(capsys, "diff", tmp_path / "a", "--step", 1)
     assert rc == 2 and "give a second --step" in err
+    rc, _, err = run(capsys, "diff", tmp_path / "a" / "step_0000000001")
+    assert rc == 2 and "is one checkpoint (step 1): give B" in err
+    rc, _, err = run(capsys, "diff", tmp_path / "a")
+    assert rc == 2 and "has 1 checkpoint(s)" in err
     rc, _, err = run(capsys, "diff", tmp_path / "a", tmp_path / "c", "--atol", "-1")
     assert rc == 2 and "--atol -1.0" in err
 
