@@ -1235,6 +1235,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import demo
 
     demo.add_parser(sub)
+    from . import convert, diff  # pitstop diff, export, import
+
+    diff.add_parser(sub)
+    convert.add_parsers(sub)
     return p
 
 
