@@ -5,15 +5,17 @@ and waits for it:
 
 - exit 0: done, the supervisor exits 0;
 - died abnormally (a non-zero status, a signal the supervisor did not send: the OOM
-  killer's SIGKILL, a segfault): restarted after a back-off that doubles after each
+  killer's SIGKILL, a segfault; but not SIGTERM, SIGINT, SIGHUP or SIGPIPE, which stop a job
+  on purpose, as systemd's ``Restart=on-failure`` counts them): restarted after a back-off that doubles after each
   failure (capped) and starts again from ``--backoff`` after a run that committed a new
   checkpoint, at most ``--max-restarts`` times; ``--crash-loop`` failures in a row without
   a new committed step stop it early;
 - SIGTERM / SIGINT / SIGHUP / SIGQUIT to the supervisor: forwarded to the job's whole
   process group (its DataLoader workers and other children too), so pitstop's handler in
   the job saves before it exits; never restarted after that; ``--grace`` seconds later (or
-  at a second such signal) the group is SIGKILLed. SIGUSR1 / SIGUSR2 are forwarded and the
-  supervision goes on (pitstop saves on SIGUSR1 and trains on).
+  at a second such signal) the group is SIGKILLed. SIGUSR1 / SIGUSR2 are forwarded to the
+  job's first process only, and the supervision goes on (pitstop saves on SIGUSR1 and
+  trains on).
 
 What it knows of the checkpoints comes from the checkpoint directory, read-only (never
 locked, never written): ``--dir`` (also given to the job as ``PITSTOP_DIR``), or the one a
@@ -56,12 +58,16 @@ POLL = 0.05
 
 #: received by the supervisor: forwarded to the job's group, and the job is not restarted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: a job that died of one of these, sent by someone else (Slurm and Kubernetes signal every
+#: process, ``kill PID``), was stopped on purpose: not restarted (systemd's rule too)
+CLEAN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE)
 #: received by the supervisor: forwarded, and the supervision goes on
 PASS_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 DESCRIPTION = """\
 Start COMMAND in its own process group and restart it when it dies abnormally (a
-non-zero exit status, or a signal such as the OOM killer's SIGKILL or a segfault), after a
+non-zero exit status, or a signal such as the OOM killer's SIGKILL or a segfault; not
+SIGTERM, SIGINT, SIGHUP or SIGPIPE sent to it directly: a job stopped on purpose), after a
 back-off, until it exits 0. A job that calls CheckpointManager.restore() resumes from its
 newest committed checkpoint at each restart; pitstop run says which step.
 
@@ -72,7 +78,8 @@ run, 1 in the first restart, ...
 
 SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to every process of the job (pitstop
 saves and exits on SIGTERM and SIGINT) and the job is not restarted; a second one, or
---grace seconds, SIGKILLs it. SIGUSR1/SIGUSR2 are forwarded and supervision goes on.
+--grace seconds, SIGKILLs it. SIGUSR1/SIGUSR2 go to the job's first process only (pitstop
+saves on SIGUSR1 and trains on) and supervision goes on. Ctrl+Z stops the job too.
 
 Exit status: the job's (128+N for signal N): 0 when it finished; that of its last run when
 the supervisor gave up (--max-restarts, crash loop, a status of --no-restart-on) or was
@@ -412,6 +419,9 @@ class Supervisor:
                 return self._cannot_start(e)
             returncode = self._wait(self.proc)
             elapsed = time.monotonic() - started
+            # a stop signal that came with the job's end (Slurm signals every process) still
+            # means: do not restart; it goes on to what is left of the job's group
+            self._act_on_signals(self.proc.pid)
             self._read_events()
             self._clean_up_group(self.proc.pid)
             if self.stopping is not None:
@@ -427,6 +437,10 @@ class Supervisor:
             after = newest_step(self.directory) if self.directory else None
             newest = self._newest_text(after)
             how = f"job exited with {describe(returncode)} after {seconds(elapsed)}"
+            if -returncode in CLEAN_SIGNALS:
+                say(f"{how}; {newest}; someone stopped it on purpose (not through pitstop "
+                    "run): not restarting it")
+                return status
             if returncode > 0 and returncode in self.no_restart:
                 why = {2: "a usage error", 126: "cannot execute",
                        127: "command not found"}.get(returncode, "")
@@ -508,8 +522,11 @@ class Supervisor:
             elif pgid is None:
                 continue  # between runs: _sleep decides
             elif signum in PASS_SIGNALS:
-                self._forward(pgid, signum)
-                say(f"{name} forwarded to the job")
+                # to the job's first process only: its other processes (DataLoader workers)
+                # have no use for a "checkpoint now" and die of SIGUSR1's default action
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pgid, signum)  # the leader's pid is the group's id
+                say(f"{name} forwarded to the job's first process ({pgid})")
             elif self.stopping is None:
                 self.stopping = signum
                 self.stop_deadline = time.monotonic() + self.grace

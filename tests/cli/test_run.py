@@ -181,10 +181,13 @@ def test_max_restarts_gives_up_with_the_jobs_status(tmp_path):
     assert r.stderr.splitlines()[-1].endswith("giving up after 1 restart (--max-restarts 1)")
 
 
-def test_usage_error_and_success_are_not_restarted(tmp_path):
+def test_usage_error_sigterm_and_success_are_not_restarted(tmp_path):
     r = run("--", "sh", "-c", "exit 2")
     assert r.returncode == 2
     assert len(r.stderr.splitlines()) == 1 and "--no-restart-on: not restarting" in r.stderr
+    r = run("--", "sh", "-c", "kill -TERM $$")  # stopped on purpose, not by the supervisor
+    assert r.returncode == 128 + signal.SIGTERM
+    assert len(r.stderr.splitlines()) == 1 and "on purpose" in r.stderr, r.stderr
     r = run("--", "sh", "-c", "echo done")
     assert (r.returncode, r.stdout, r.stderr) == (0, "done\n", "")
 
@@ -216,14 +219,21 @@ def test_bad_arguments_are_one_line_status_2(argv, says, capsys):
 
 
 def test_sigterm_is_forwarded_to_the_group_and_the_job_saves(job, tmp_path):
-    """SIGTERM to the supervisor reaches the job and its child; the job's manager saves the
-    step it was at and exits; no restart; the supervisor exits with the job's status."""
+    """SIGUSR1 reaches the job's first process only: it saves and trains on. SIGTERM to the
+    supervisor reaches the job and its child; the job's manager saves the step it was at
+    and exits; no restart; the supervisor exits with the job's status."""
     work = tmp_path / "w"
     work.mkdir()
     d = tmp_path / "ckpt-given"
     p = supervise("--dir", str(d), "--", PY, job, "0", "", str(work), "hold")
     try:
         wait_for(work / "ready", "the job's step 3", p)
+        p.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while len([n for n in os.listdir(d) if os.path.exists(d / n / "manifest.json")]) < 2:
+            assert time.monotonic() < deadline and p.poll() is None, "no save on SIGUSR1"
+            time.sleep(0.02)
+        usr1 = int((work / "last").read_text())  # at least the step it saved
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)
     finally:
@@ -237,8 +247,11 @@ def test_sigterm_is_forwarded_to_the_group_and_the_job_saves(job, tmp_path):
                                     "SIGTERM; not restarting it"), err
     last = int((work / "last").read_text())
     with pitstop.CheckpointManager(str(d), read_only=True) as m:  # --dir reached the job
-        # step 0 (the policy's first save) and the step it was at when SIGTERM came
-        assert m.all_steps() == [0, last] and last > 3
+        # step 0 (the policy's first save), the one of SIGUSR1, and the step it was at when
+        # SIGTERM came
+        steps = m.all_steps()
+        assert len(steps) == 3 and steps[0] == 0 and 3 < steps[1] <= usr1 and steps[2] == last
+        assert last > steps[1], "the job trained on after SIGUSR1"
         assert m.load()["w"].tobytes() == expected(last).tobytes()
 
 
@@ -289,3 +302,28 @@ def test_a_job_that_does_not_exit_is_killed(tmp_path, how):
         "the job did not exit within --grace 0.2 s of SIGTERM"
     assert f"pitstop run: {why}: killing it (SIGKILL to all its processes)" in err, err
     assert err.splitlines()[-1].startswith("pitstop run: job exited with signal SIGKILL")
+
+
+def test_manager_reports_to_the_supervisor_and_never_fails(tmp_path, monkeypatch):
+    """The hook: one JSON line per open and per restore/load; a file that cannot be written
+    (gone, a directory) changes nothing for the manager."""
+    import json
+
+    events = tmp_path / "events.jsonl"
+    events.write_bytes(b"")
+    state = {"w": np.arange(4.0)}
+    for where in (tmp_path / "missing", tmp_path, events):  # the last one works
+        monkeypatch.setenv("PITSTOP_SUPERVISOR", str(where))
+        d = tmp_path / f"ckpt-{where.name}"
+        with pitstop.CheckpointManager(str(d)) as m:
+            assert m.restore(state) is None
+            m.save(5, state)
+        with pitstop.CheckpointManager(str(d)) as m:
+            assert m.restore(state) == 5
+            assert m.load()["w"].tobytes() == state["w"].tobytes()
+    assert not (tmp_path / "missing").exists()
+    got = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["event"], e.get("step")) for e in got] == [
+        ("open", None), ("restore", None), ("open", None), ("restore", 5), ("restore", 5)]
+    assert {e["dir"] for e in got} == {str(tmp_path / "ckpt-events.jsonl")}
+    assert {e["pid"] for e in got} == {os.getpid()} and not any(e["read_only"] for e in got)
