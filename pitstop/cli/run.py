@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import supervised
+from ..core.storage import is_url
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_BACKOFF = 1.0
@@ -53,6 +54,8 @@ DEFAULT_GRACE = 30.0
 DEFAULT_NO_RESTART = "2,126,127"
 #: without a known checkpoint directory, a run this long counts as having made progress
 PROGRESS_SECONDS = 600.0
+#: how long the processes of a job whose leader exited may take to exit on their own
+LEFTOVER_WAIT = 1.0
 #: how often the supervisor looks at the job, its signals and its reports while it runs
 POLL = 0.05
 
@@ -244,16 +247,25 @@ def seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
-def newest_step(directory: str) -> int | None:
-    """The newest committed step of ``directory`` (None: none, or it cannot be read), read
-    the way ``pitstop ls`` reads it: no lock taken, nothing written."""
+#: what :func:`newest_step` answers for a directory it cannot read
+UNKNOWN = -1
+
+
+def newest_step(directory: str | None) -> int | None:
+    """The newest committed step of ``directory``: None where it has none (or does not exist
+    yet), UNKNOWN where it cannot be read (no directory known, an object store without
+    credentials here). Read as ``pitstop ls`` reads it: no lock taken, nothing written."""
+    if directory is None:
+        return UNKNOWN
     try:
         from . import _open, _scan
 
+        if not is_url(directory) and not os.path.lexists(directory):
+            return None  # the job has not made it yet
         steps = _scan(_open(directory)).steps
         return steps[-1] if steps else None
     except Exception:  # noqa: BLE001 - an unreadable directory only means "not known"
-        return None
+        return UNKNOWN
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -410,7 +422,7 @@ class Supervisor:
         failures = 0  # in a row, without a new committed step
         backoff = self.initial_backoff
         while True:
-            self.before = newest_step(self.directory) if self.directory else None
+            self.before = newest_step(self.directory)
             self.reported_restore = False
             started = time.monotonic()
             try:
@@ -434,7 +446,7 @@ class Supervisor:
                         f"restart{'s' if self.restarts > 1 else ''}")
                 return 0
             status = exit_status(returncode)
-            after = newest_step(self.directory) if self.directory else None
+            after = newest_step(self.directory)
             newest = self._newest_text(after)
             how = f"job exited with {describe(returncode)} after {seconds(elapsed)}"
             if -returncode in CLEAN_SIGNALS:
@@ -447,15 +459,15 @@ class Supervisor:
                 say(f"{how}; {newest}; status {returncode}{' (' + why + ')' if why else ''} "
                     "is one of --no-restart-on: not restarting it")
                 return status
-            if self.directory is not None:
+            if UNKNOWN not in (self.before, after):
                 progress = after is not None and (self.before is None or after > self.before)
-            else:
+            else:  # no directory known, or it cannot be read here
                 progress = elapsed >= PROGRESS_SECONDS
             failures = 0 if progress else failures + 1
             if self.crash_loop and failures >= self.crash_loop:
-                since = ("without a new checkpoint" if self.directory is not None else
+                since = ("without a new checkpoint" if UNKNOWN not in (self.before, after) else
                          f"each within {PROGRESS_SECONDS / 60:g} minutes of its start "
-                         "(no checkpoint directory known)")
+                         "(no readable checkpoint directory known)")
                 say(f"crash loop: {failures} failures in a row {since}; last exit: "
                     f"{describe(returncode)}; {newest}; look at the job's output above")
                 return status
@@ -480,6 +492,8 @@ class Supervisor:
     def _newest_text(self, step: int | None) -> str:
         if self.directory is None:
             return "newest checkpoint: not known (no --dir, none reported by the job)"
+        if step == UNKNOWN:
+            return f"newest checkpoint: not known ({self.directory} cannot be read here)"
         return f"newest checkpoint: step {step}" if step is not None else \
             "no committed checkpoint yet"
 
@@ -520,7 +534,8 @@ class Supervisor:
             if signum == signal.SIGTSTP:
                 self._suspend(pgid)
             elif pgid is None:
-                continue  # between runs: _sleep decides
+                if signum in PASS_SIGNALS:
+                    say(f"{name} ignored: no job is running (waiting to restart it)")
             elif signum in PASS_SIGNALS:
                 # to the job's first process only: its other processes (DataLoader workers)
                 # have no use for a "checkpoint now" and die of SIGUSR1's default action
@@ -578,10 +593,13 @@ class Supervisor:
         """The job's leader is gone: its other processes (workers, children) get what is
         left of the grace period after a stop signal, then SIGKILL; they would hold the
         directory's lock and the accelerator in a restart."""
-        if self.stopping is not None and not self.killed:
-            while _group_alive(pgid) and time.monotonic() < self.stop_deadline:
-                time.sleep(POLL)
-                self._act_on_signals(pgid)
+        # after a stop signal, the rest of --grace to save and exit; else a moment to finish
+        # exiting (workers the leader was just stopping)
+        deadline = self.stop_deadline if self.stopping is not None else \
+            time.monotonic() + LEFTOVER_WAIT
+        while not self.killed and _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(POLL)
+            self._act_on_signals(pgid)
         members = group_members(pgid)
         if members == [] or not _group_alive(pgid):
             return
@@ -606,7 +624,8 @@ class Supervisor:
             elif event.get("event") == "restore" and not self.reported_restore:
                 self.reported_restore = True
                 step = event.get("step")
-                if isinstance(step, int) and (self.before is None or step > self.before) \
+                if isinstance(step, int) and self.before != UNKNOWN and \
+                        (self.before is None or step > self.before) \
                         and self.directory is not None and isinstance(where, str) and \
                         _same_dir(where, self.directory):
                     self.before = step
@@ -621,7 +640,8 @@ class Supervisor:
         if self.directory is None:
             self.directory = where
             self.before = newest_step(where)
-        elif not _same_dir(where, self.directory) and not self.noted_other_dir:
+        elif self.given_dir is not None and not _same_dir(where, self.directory) and \
+                not self.noted_other_dir:
             self.noted_other_dir = True
             say(f"the job writes its checkpoints to {where}, not --dir {self.directory}; "
                 "reporting on --dir")

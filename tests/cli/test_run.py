@@ -327,3 +327,17 @@ def test_manager_reports_to_the_supervisor_and_never_fails(tmp_path, monkeypatch
         ("open", None), ("restore", None), ("open", None), ("restore", 5), ("restore", 5)]
     assert {e["dir"] for e in got} == {str(tmp_path / "ckpt-events.jsonl")}
     assert {e["pid"] for e in got} == {os.getpid()} and not any(e["read_only"] for e in got)
+
+
+def test_processes_the_job_leaves_behind_are_killed(tmp_path):
+    """The job's first process exits, a child of it runs on in its group: a second later it
+    is SIGKILLed, said in one line (it would hold the lock and the GPU in a restart)."""
+    pidfile = tmp_path / "child.pid"
+    r = run("--max-restarts", "0", "--", "sh", "-c", 'sleep 300 & echo $! > "$0"; exit 1',
+            str(pidfile))
+    assert r.returncode == 1, r.stderr
+    child = int(pidfile.read_text())
+    assert f"pitstop run: the job's leader exited; killing its remaining processes ({child})" \
+        in r.stderr, r.stderr
+    assert gone(child)
+    assert r.stderr.splitlines()[-1].endswith("giving up after 0 restarts (--max-restarts 0)")
