@@ -606,8 +606,9 @@ class CheckpointManager:
         fence_all()
         recovered = self._recovered_at(step)
         if recovered is not None and (step is not None or self.latest_step() == recovered.step):
+            loaded = recovered.reader.load()
             self._tell_supervisor("restore", step=recovered.step)
-            return recovered.reader.load()
+            return loaded
         if self._engine is not None:
             self._engine.drain()
         steps = self._committed(hidden=step is not None)
