@@ -5,15 +5,16 @@ and waits for it:
 
 - exit 0: done, the supervisor exits 0;
 - died abnormally (a non-zero status, a signal the supervisor did not send: the OOM
-  killer's SIGKILL, a segfault; but not SIGTERM, SIGINT, SIGHUP or SIGPIPE, which stop a job
-  on purpose, as systemd's ``Restart=on-failure`` counts them): restarted after a back-off that doubles after each
-  failure (capped) and starts again from ``--backoff`` after a run that committed a new
-  checkpoint, at most ``--max-restarts`` times; ``--crash-loop`` failures in a row without
-  a new committed step stop it early;
-- SIGTERM / SIGINT / SIGHUP / SIGQUIT to the supervisor: forwarded to the job's whole
-  process group (its DataLoader workers and other children too), so pitstop's handler in
-  the job saves before it exits; never restarted after that; ``--grace`` seconds later (or
-  at a second such signal) the group is SIGKILLed. SIGUSR1 / SIGUSR2 are forwarded to the
+  killer's SIGKILL, a segfault; but not SIGTERM, SIGINT, SIGHUP or SIGPIPE, which stop a
+  job on purpose, as systemd's ``Restart=on-failure`` counts them): restarted after a
+  back-off that doubles after each failure (capped) and starts again from ``--backoff``
+  after a run that committed a new checkpoint, at most ``--max-restarts`` times;
+  ``--crash-loop`` failures in a row without a new committed step stop it early;
+- SIGTERM / SIGINT / SIGHUP / SIGQUIT to the supervisor: forwarded to the job's first
+  process, and to the rest of its process group (DataLoader workers, children) once that
+  has exited (``--forward group``: to all at once), so pitstop's handler in the job saves
+  before it exits; never restarted after that; ``--grace`` seconds later (or at a second
+  such signal) the group is SIGKILLed. SIGUSR1 / SIGUSR2 are forwarded to the
   job's first process only, and the supervision goes on (pitstop saves on SIGUSR1 and
   trains on).
 
@@ -79,8 +80,9 @@ the job as PITSTOP_DIR, or the one a CheckpointManager in the job opens (reporte
 supervisor through the file PITSTOP_SUPERVISOR names). PITSTOP_RESTART is 0 in the first
 run, 1 in the first restart, ...
 
-SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to every process of the job (pitstop
-saves and exits on SIGTERM and SIGINT) and the job is not restarted; a second one, or
+SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to the job's first process, and to the
+rest of its processes once that has exited (--forward group: to all at once); pitstop
+saves and exits on SIGTERM and SIGINT, and the job is not restarted; a second one, or
 --grace seconds, SIGKILLs it. SIGUSR1/SIGUSR2 go to the job's first process only (pitstop
 saves on SIGUSR1 and trains on) and supervision goes on. Ctrl+Z stops the job too.
 
@@ -157,6 +159,15 @@ def add_parser(sub: Any) -> None:
         "SIGKILL it",
     )
     s.add_argument(
+        "--forward",
+        choices=("first", "group"),
+        default="first",
+        help="where SIGTERM/SIGINT/SIGHUP/SIGQUIT go: first (default): the job's first "
+        "process, then the rest of its process group once that has exited; group: every "
+        "process of the job at once, as Ctrl+C at a terminal (torch's DataLoader workers "
+        "die of SIGTERM, and the training then fails before it saves)",
+    )
+    s.add_argument(
         "--no-restart-on",
         default=DEFAULT_NO_RESTART,
         metavar="STATUS,...",
@@ -210,6 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         crash_loop=args.crash_loop,
         grace=args.grace,
         no_restart=no_restart,
+        forward=args.forward,
     ).run()
 
 
@@ -369,7 +381,7 @@ class Supervisor:
 
     def __init__(self, command: list[str], *, directory: str | None, max_restarts: int,
                  backoff: float, max_backoff: float, crash_loop: int, grace: float,
-                 no_restart: set[int]) -> None:
+                 no_restart: set[int], forward: str = "first") -> None:
         self.command = command
         self.given_dir = directory
         #: the directory steps are read from: --dir, or the one the job reports
@@ -380,10 +392,13 @@ class Supervisor:
         self.crash_loop = crash_loop
         self.grace = grace
         self.no_restart = no_restart
+        self.forward = forward
         #: signals received, not yet acted on (the handler only notes them)
         self.received: list[int] = []
         #: the stop signal forwarded to the job: it is not restarted
         self.stopping: int | None = None
+        #: the stop signal went to the whole group (not only to the job's first process)
+        self.forwarded_rest = False
         self.stop_deadline = math.inf
         self.killed = False
         self.proc: subprocess.Popen[bytes] | None = None
@@ -468,8 +483,9 @@ class Supervisor:
                 since = ("without a new checkpoint" if UNKNOWN not in (self.before, after) else
                          f"each within {PROGRESS_SECONDS / 60:g} minutes of its start "
                          "(no readable checkpoint directory known)")
-                say(f"crash loop: {failures} failures in a row {since}; last exit: "
-                    f"{describe(returncode)}; {newest}; look at the job's output above")
+                say(f"crash loop: {failures} failure{'' if failures == 1 else 's'} in a row "
+                    f"{since}; last exit: {describe(returncode)}; {newest}; look at the job's "
+                    "output above")
                 return status
             if 0 <= self.max_restarts <= self.restarts:
                 say(f"{how}; {newest}; giving up after {self.restarts} "
@@ -545,10 +561,21 @@ class Supervisor:
             elif self.stopping is None:
                 self.stopping = signum
                 self.stop_deadline = time.monotonic() + self.grace
-                self._forward(pgid, signum)
-                say(f"{name} forwarded to the job's processes; waiting "
-                    + ("" if math.isinf(self.grace) else f"up to {self.grace:g} s ")
-                    + "for it to save and exit (again to kill it)")
+                wait = ("" if math.isinf(self.grace) else f"up to {self.grace:g} s ") + \
+                    "for it to save and exit (again to kill it)"
+                leader_alive = self.proc is not None and self.proc.returncode is None
+                if self.forward == "group" or not leader_alive:
+                    self._forward(pgid, signum)
+                    self.forwarded_rest = True
+                    say(f"{name} forwarded to the job's processes; waiting {wait}")
+                else:
+                    # the first process saves and stops its own workers; they get the signal
+                    # once it has exited (torch's DataLoader workers die of SIGTERM, and the
+                    # main process then fails before its save)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pgid, signum)
+                    say(f"{name} forwarded to the job ({pgid}; its other processes once it "
+                        f"has exited); waiting {wait}")
             elif not self.killed:
                 self._kill(pgid, f"{name} received again")
 
@@ -597,6 +624,10 @@ class Supervisor:
         # exiting (workers the leader was just stopping)
         deadline = self.stop_deadline if self.stopping is not None else \
             time.monotonic() + LEFTOVER_WAIT
+        if self.stopping is not None and not self.forwarded_rest and not self.killed and \
+                _group_alive(pgid):
+            self.forwarded_rest = True
+            self._forward(pgid, self.stopping)  # now to the rest (the first one has exited)
         while not self.killed and _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(POLL)
             self._act_on_signals(pgid)

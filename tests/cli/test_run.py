@@ -45,9 +45,8 @@ def on_term(signum, frame):
     open(os.path.join(work, "child-got-SIGTERM"), "w").close()
     os._exit(0)
 signal.signal(signal.SIGTERM, on_term)
-parent = os.getppid()
 open(os.path.join(work, "child-ready"), "w").close()
-while os.getppid() == parent:
+while True:
     time.sleep(0.05)
 """, work])
     while not os.path.exists(os.path.join(work, "child-ready")):
@@ -114,6 +113,24 @@ def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
                           capture_output=True, env=env(), timeout=timeout)
 
 
+@pytest.fixture
+def here(capfd, monkeypatch):
+    """``pitstop run`` in this process (the jobs it runs are real processes, with real
+    signals): saves the start of an interpreter per call. Returns (status, stdout, stderr)."""
+    from pitstop.cli import main
+
+    for name in ("PITSTOP_DIR", "PITSTOP_SUPERVISOR"):
+        monkeypatch.delenv(name, raising=False)
+
+    def call(*argv: str) -> subprocess.CompletedProcess[str]:
+        capfd.readouterr()
+        status = main(["run", *argv])
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(argv, status, out, err)
+
+    return call
+
+
 def wait_for(path, what: str, proc: subprocess.Popen[str] | None = None,
              timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
@@ -158,11 +175,11 @@ def test_sigkilled_job_is_restarted_until_it_finishes_bitwise_equal(job, tmp_pat
     assert final.tobytes() == reference.tobytes() == expected(9).tobytes()
 
 
-def test_crash_loop_stops_with_the_jobs_status(tmp_path):
+def test_crash_loop_stops_with_the_jobs_status(tmp_path, here):
     """A job that dies before committing anything: stopped after --crash-loop failures,
     with the job's status, though --max-restarts would allow more."""
     d = tmp_path / "ckpt"
-    r = run("--dir", str(d), "--backoff", "0", "--max-restarts", "-1", "--",
+    r = here("--dir", str(d), "--backoff", "0", "--max-restarts", "-1", "--",
             "sh", "-c", 'echo x >> "$0"; kill -9 $$', str(tmp_path / "runs"))
     assert r.returncode == 128 + 9, r.stderr
     assert (tmp_path / "runs").read_text() == "x\n" * 3
@@ -173,33 +190,25 @@ def test_crash_loop_stops_with_the_jobs_status(tmp_path):
     assert "(restart 2)" in r.stderr and "(restart 3)" not in r.stderr
 
 
-def test_max_restarts_gives_up_with_the_jobs_status(tmp_path):
-    r = run("--backoff", "0", "--max-restarts", "1", "--crash-loop", "0", "--",
-            "sh", "-c", "exit 5")
-    assert r.returncode == 5
-    assert r.stderr.splitlines()[-1].startswith("pitstop run: job exited with status 5 ")
-    assert r.stderr.splitlines()[-1].endswith("giving up after 1 restart (--max-restarts 1)")
-
-
-def test_usage_error_sigterm_and_success_are_not_restarted(tmp_path):
-    r = run("--", "sh", "-c", "exit 2")
+def test_usage_error_sigterm_and_success_are_not_restarted(tmp_path, here):
+    r = here("--", "sh", "-c", "exit 2")
     assert r.returncode == 2
     assert len(r.stderr.splitlines()) == 1 and "--no-restart-on: not restarting" in r.stderr
-    r = run("--", "sh", "-c", "kill -TERM $$")  # stopped on purpose, not by the supervisor
+    r = here("--", "sh", "-c", "kill -TERM $$")  # stopped on purpose, not by the supervisor
     assert r.returncode == 128 + signal.SIGTERM
     assert len(r.stderr.splitlines()) == 1 and "on purpose" in r.stderr, r.stderr
-    r = run("--", "sh", "-c", "echo done")
+    r = here("--", "sh", "-c", "echo done")
     assert (r.returncode, r.stdout, r.stderr) == (0, "done\n", "")
 
 
-def test_command_not_found_is_one_line_127(tmp_path):
-    r = run("--", str(tmp_path / "no-such-command"), "--epochs", "3")
+def test_command_not_found_is_one_line_127(tmp_path, here):
+    r = here("--", str(tmp_path / "no-such-command"), "--epochs", "3")
     assert r.returncode == 127
     assert r.stderr == (f"pitstop run: cannot start {tmp_path / 'no-such-command'}: no such "
                         "file or command (check the name and PATH)\n")
     script = tmp_path / "not-executable"
     script.write_text("#!/bin/sh\n")
-    r = run("--", str(script))
+    r = here("--", str(script))
     assert r.returncode == 126 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "cannot start" in r.stderr and "ermission denied" in r.stderr
 
@@ -218,14 +227,17 @@ def test_bad_arguments_are_one_line_status_2(argv, says, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("pitstop: run: ") and says in err
 
 
-def test_sigterm_is_forwarded_to_the_group_and_the_job_saves(job, tmp_path):
+@pytest.mark.parametrize("forward", ["first", "group"])
+def test_sigterm_is_forwarded_to_the_group_and_the_job_saves(job, tmp_path, forward):
     """SIGUSR1 reaches the job's first process only: it saves and trains on. SIGTERM to the
-    supervisor reaches the job and its child; the job's manager saves the step it was at
-    and exits; no restart; the supervisor exits with the job's status."""
+    supervisor reaches the job and its child (--forward first: the child once the job has
+    exited); the job's manager saves the step it was at and exits; no restart; the
+    supervisor exits with the job's status."""
     work = tmp_path / "w"
     work.mkdir()
     d = tmp_path / "ckpt-given"
-    p = supervise("--dir", str(d), "--", PY, job, "0", "", str(work), "hold")
+    p = supervise("--dir", str(d), "--forward", forward, "--", PY, job, "0", "", str(work),
+                  "hold")
     try:
         wait_for(work / "ready", "the job's step 3", p)
         p.send_signal(signal.SIGUSR1)
@@ -242,7 +254,8 @@ def test_sigterm_is_forwarded_to_the_group_and_the_job_saves(job, tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, err
     assert (work / "child-got-SIGTERM").exists()
     assert (work / "runs").read_text() == "1"
-    assert "pitstop run: SIGTERM forwarded to the job's processes" in err
+    assert ("pitstop run: SIGTERM forwarded to the job's processes" if forward == "group" else
+            "pitstop run: SIGTERM forwarded to the job (") in err, err
     assert err.splitlines()[-1] == ("pitstop run: job exited with signal SIGTERM after "
                                     "SIGTERM; not restarting it"), err
     last = int((work / "last").read_text())
@@ -291,7 +304,7 @@ def test_a_job_that_does_not_exit_is_killed(tmp_path, how):
         wait_for(ready, "the job's start", p)
         p.send_signal(signal.SIGTERM)
         if how == "second signal":
-            assert "SIGTERM forwarded to the job's processes" in p.stderr.readline()
+            assert "SIGTERM forwarded to the job" in p.stderr.readline()
             p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
@@ -329,15 +342,18 @@ def test_manager_reports_to_the_supervisor_and_never_fails(tmp_path, monkeypatch
     assert {e["pid"] for e in got} == {os.getpid()} and not any(e["read_only"] for e in got)
 
 
-def test_processes_the_job_leaves_behind_are_killed(tmp_path):
-    """The job's first process exits, a child of it runs on in its group: a second later it
-    is SIGKILLed, said in one line (it would hold the lock and the GPU in a restart)."""
+def test_max_restarts_and_the_processes_a_job_leaves_behind(tmp_path, here):
+    """Given up after --max-restarts with the job's status. The job's first process exits, a
+    child of it runs on in its group: a second later it is SIGKILLed, said in one line (it
+    would hold the lock and the GPU in a restart)."""
     pidfile = tmp_path / "child.pid"
-    r = run("--max-restarts", "0", "--", "sh", "-c", 'sleep 300 & echo $! > "$0"; exit 1',
-            str(pidfile))
-    assert r.returncode == 1, r.stderr
+    r = here("--max-restarts", "0", "--", "sh", "-c", 'sleep 300 & echo $! > "$0"; exit 5',
+             str(pidfile))
+    assert r.returncode == 5, r.stderr
     child = int(pidfile.read_text())
     assert f"pitstop run: the job's leader exited; killing its remaining processes ({child})" \
         in r.stderr, r.stderr
     assert gone(child)
-    assert r.stderr.splitlines()[-1].endswith("giving up after 0 restarts (--max-restarts 0)")
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("pitstop run: job exited with status 5 after ")
+    assert last.endswith("giving up after 0 restarts (--max-restarts 0)")
