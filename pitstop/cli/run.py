@@ -214,7 +214,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                        "separated by commas, e.g. 2,126,127") from None
     return Supervisor(
         command,
-        directory=args.dir,
+        # absolute: the job may change its working directory before it opens it
+        directory=args.dir if args.dir is None or is_url(args.dir) else os.path.abspath(args.dir),
         max_restarts=args.max_restarts,
         backoff=args.backoff,
         max_backoff=max(args.max_backoff, args.backoff),
