@@ -556,6 +556,9 @@ class Supervisor:
             elif signum in PASS_SIGNALS:
                 # to the job's first process only: its other processes (DataLoader workers)
                 # have no use for a "checkpoint now" and die of SIGUSR1's default action
+                if self.proc is None or self.proc.returncode is not None:
+                    say(f"{name} ignored: the job has exited")
+                    continue  # (its pid may be another process's now)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pgid, signum)  # the leader's pid is the group's id
                 say(f"{name} forwarded to the job's first process ({pgid})")
