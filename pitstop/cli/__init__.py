@@ -1236,7 +1236,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_parser(sub)
     from . import convert, diff  # pitstop diff, export, import
+    from . import run as _run
 
+    _run.add_parser(sub)
     diff.add_parser(sub)
     convert.add_parsers(sub)
     return p
