@@ -790,10 +790,11 @@ def test_gc_leaves_files_and_links_named_like_leftovers(world, capsys):
         "not pitstop's: .tmp-step_0000000030-1a2b3c4d, .tmp-step_0000000040-2a2b3c4d, "
         ".pitstop/index.json.tmp-1a2b3c4d (left alone)"
     ) in out
-    assert (
-        "2 leftover(s) of interrupted saves: .tmp-step_0000000050-3a2b3c4d, "
-        ".pitstop/index.json.tmp-4a2b3c4d" in out
-    )
+    rows = [ln for ln in out.splitlines() if "incomplete: interrupted" in ln]
+    assert len(rows) == 2  # a save's (of step 50) and a .pitstop/ file's (no step)
+    assert rows[0].split()[0] == "50" and ".tmp-step_0000000050-3a2b3c4d" in rows[0]
+    assert rows[1].split()[0] == "-" and ".pitstop/index.json.tmp-4a2b3c4d" in rows[1]
+    assert f"`pitstop gc {d}` removes it" in out
     rc, out, err = run(capsys, "gc", d, "--memory-tier", shm)
     assert rc == 0 and err == ""
     assert "removed .tmp-step_0000000050-3a2b3c4d" in out
@@ -845,9 +846,14 @@ def test_ls_shows_moved_aside_checkpoints(world, capsys):
     rc, out, _ = run(capsys, "ls", d)
     assert rc == 0 and "2 checkpoints" in out
     line = next(x for x in out.splitlines() if corrupt in x)
-    assert "failing verification" in line and "pitstop keeps" in line and "by hand" in line
+    assert line.split()[0] == "30" and "corrupt: moved aside" in line
     line = next(x for x in out.splitlines() if abandoned in x)
-    assert "rolled back" in line and "pitstop keeps" in line and "by hand" in line
+    assert line.split()[0] == "40" and "abandoned: moved aside" in line
+    line = next(x for x in out.splitlines() if x.startswith("corrupt: "))
+    assert "failing verification" in line and "never restores or deletes" in line \
+        and "by hand" in line
+    line = next(x for x in out.splitlines() if x.startswith("abandoned: "))
+    assert "rolled back" in line and "never restores or deletes" in line and "by hand" in line
     assert "not pitstop's" not in out
     rc, out, _ = run(capsys, "verify", d, "--all")
     assert rc == 0 and "step 30" not in out and "step 40" not in out
