@@ -566,6 +566,21 @@ def test_every_command_as_a_subprocess_prints_no_traceback(world):
             env=env,
         )
         _check(cmd, r.returncode, r.stdout, r.stderr)
+    # a bad argument: one line naming the subcommand; a forced progress bar on an ASCII
+    # stderr: drawn in ASCII, and the verdict lines unchanged
+    for argv, code in ((["inspect", str(d), "--step", "x"], 2),
+                       (["verify", str(d), "--all", "--progress"], 1)):
+        r = subprocess.run([sys.executable, "-m", "pitstop.cli", *argv], capture_output=True,
+                           text=True, errors="replace", timeout=120, env=env)
+        assert "Traceback" not in r.stdout + r.stderr and r.returncode == code, r
+        if code == 2:
+            assert r.stdout == "" and r.stderr == (
+                "pitstop inspect: --step: invalid int value: 'x'; see `pitstop inspect "
+                "--help`\n")
+        else:
+            assert "100%" in r.stderr and "\\u" not in r.stderr
+            assert "pitstop: " in r.stderr.splitlines()[-1], r.stderr  # (after the bar)
+            assert all(ln.startswith("step ") for ln in r.stdout.splitlines()[:-1]), r.stdout
 
 
 # ====================================================================== the reported cases
