@@ -1,8 +1,12 @@
 """The ``pitstop`` command: look at, check and tidy checkpoint directories.
 
-    pitstop ls DIR                       committed steps: time, size, metrics; the newest marked
-    pitstop inspect DIR [--step N]       one checkpoint's manifest: arrays, values, metrics
-    pitstop verify DIR [--step N|--all]  read every array and check its hash
+    pitstop ls DIR                       every checkpoint: time, size, metrics, and its status
+                                         (what retention keeps and why; incomplete, corrupt,
+                                         abandoned, unreadable); the newest marked
+    pitstop inspect DIR [--step N]       one checkpoint's manifest: who wrote it (frameworks
+                                         and versions), arrays, values, metrics
+    pitstop verify DIR [--step N|--all]  read every array and check its hash (a progress bar
+                                         on stderr when it is a terminal)
     pitstop gc DIR                       remove leftovers of interrupted saves
     pitstop demo                         kill -9 a numpy training run, resume it, compare
 
@@ -10,6 +14,11 @@ DIR is a local directory or an object-store URL (``s3://bucket/prefix``, ``memor
 any fsspec URL): credentials and the endpoint come from the standard AWS environment and
 files (``AWS_ENDPOINT_URL`` ...), and ``-o KEY=VALUE`` passes storage options (e.g.
 ``-o endpoint_url=http://127.0.0.1:9000``, ``-o anon=true``); see docs/storage.md.
+
+Every subcommand's ``--help`` ends with an example, and a bad argument is one line
+(``pitstop inspect: --step: invalid int value: 'x'; see `pitstop inspect --help```), exit
+status 2: subcommands added with ``sub.add_parser`` get both rules from
+:class:`ArgumentParser` (the test walks every subparser).
 
 ``ls``, ``inspect`` and ``verify`` open the directory read-only (no lock, nothing written),
 so they work while a trainer is writing to it. Exit status: 0 fine, 1 a checkpoint failed
@@ -1087,6 +1096,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     unchecked: list[str] = []
     repicks = 0
     show = _wants_progress(args.progress)
+    if show:  # imported before any checkpoint's time is taken
+        with contextlib.suppress(ImportError):
+            import rich.progress  # noqa: F401
     total = len(steps)
     while steps:
         s = steps.pop(0)
