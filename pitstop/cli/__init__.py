@@ -1544,15 +1544,25 @@ def _ensure_example(parser: argparse.ArgumentParser, line: str) -> None:
         parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
+def parser_of(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``argv`` names (its first word that is one), else
+    ``parser``: found from the words, as a subcommand may reuse the dest ``command``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for word in argv:
+                if not word.startswith("-"):
+                    return action.choices.get(word, parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pitstop`` console script; returns the exit status."""
     _tolerant_streams()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the subcommand's parser: `pitstop ls: unrecognized arguments: b`
-        chosen = next((a.choices.get(args.command) for a in parser._actions
-                       if isinstance(a, argparse._SubParsersAction)), None)
-        (chosen or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        parser_of(parser, sys.argv[1:] if argv is None else argv).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
     except CliError as e:
