@@ -414,7 +414,7 @@ def _as_checkpoint(listing: Listing) -> tuple[Storage, int] | None:
     except CliError:
         naming = DEFAULT
     step = naming.parse(base)
-    return None if step is None else (above, step)
+    return None if step is None or above is None else (above, step)
 
 
 def _single_checkpoint_hint(listing: Listing, command: str) -> str:
@@ -1533,6 +1533,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_parser(sub)
     _ensure_example(sub.choices["demo"], "pitstop demo")
+    from . import convert, diff  # pitstop diff, export, import
+
+    diff.add_parser(sub)
+    convert.add_parsers(sub)
     return p
 
 

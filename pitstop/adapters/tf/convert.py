@@ -108,3 +108,58 @@ def _read(prefix: str, reader: Any, key: str, kind: str, dtype: tf.DType) -> np.
 def is_native(path: str) -> bool:
     """Whether ``path`` is the prefix of a native TensorFlow checkpoint."""
     return os.path.exists(path + ".index")
+
+
+def _save_counter(tree: dict[str, Any]) -> int | None:
+    """The ``save_counter`` a ``tf.train.Checkpoint`` recorded in the tree, if any."""
+    node = tree.get("save_counter")
+    try:
+        value = node[_graph.ATTRIBUTES][_graph.VARIABLE_VALUE]  # type: ignore[index]
+        return int(np.asarray(value))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def import_native(prefix: str | os.PathLike[str], directory: str | os.PathLike[str],
+                  step: int | None = None, *, key: str | None = None,
+                  metrics: dict[str, Any] | None = None) -> int:
+    """Import the native TensorFlow checkpoint at ``prefix`` (``<prefix>.index`` beside it)
+    as committed pitstop checkpoint ``step`` of ``directory``: the tree
+    :func:`read_native` reads, as a live save of a ``pitstop.adapters.tf.Checkpoint`` of the
+    same objects would hold it. ``step`` defaults to the checkpoint's ``save_counter`` (0
+    without one). A new ``directory`` names its checkpoints ``ckpt-<step>`` as
+    tf.train does, so ``pitstop.adapters.tf.Checkpoint(...).restore(f"{directory}/ckpt-{step}")``
+    and a ``pitstop.adapters.tf.CheckpointManager`` on it resume from the import. ``key``
+    imports one entry of the tree. Returns the step; raises
+    :class:`pitstop.StepExistsError` when ``directory`` has that step already."""
+    from ...core.errors import StepExistsError
+    from ...core.manager import CheckpointManager
+    from ...core.tree import select
+
+    source = os.fspath(prefix)
+    tree = read_native(source)
+    if step is None:
+        step = _save_counter(tree) or 0
+    target = os.fspath(directory)
+    fresh = not os.path.isdir(os.path.join(target, ".pitstop"))
+    key = None
+    if not fresh:
+        # (read-only: an encrypted directory's key comes from PITSTOP_ENCRYPTION_KEY)
+        reader = CheckpointManager(target, read_only=True, save_on_signals=None)
+        try:
+            exists = step in reader.all_steps()
+            key = reader.encryption
+        finally:
+            reader.close()
+        if exists:
+            raise StepExistsError(
+                f"{target} already has a checkpoint of step {step}; pitstop never overwrites "
+                "one: import under another step, into another directory, or delete it first")
+    naming = {"step_prefix": "ckpt-", "step_digits": 0} if fresh else {}
+    mgr = CheckpointManager(target, async_save=False, save_on_signals=None, memory_tier=False,
+                            encryption=key, **naming)  # type: ignore[arg-type]
+    try:
+        mgr.save(step, select(tree, key, source), metrics).wait()
+    finally:
+        mgr.close()
+    return step

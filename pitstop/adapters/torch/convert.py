@@ -739,7 +739,9 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
     (``json.loads(metadata["pitstop"])["values"]["_extra_state"]``). Two entries that would get
     the same name (``"a/b"`` and ``"a"`` -> ``"b"``) raise :class:`pitstop.UnsupportedStateError`.
     Values go into the string metadata: ``"pitstop"`` holds JSON ``{"format_version": 1,
-    "step": ..., "values": {key path: value}}`` (values in pitstop's manifest encoding), and
+    "step": ..., "values": {key path: value}}`` (values in pitstop's manifest encoding; plus
+    ``"keys": {tensor name: key path}`` for the names that are not their key path, where a
+    key holds a ``/``), and
     ``"format"`` is ``"pt"`` as Hugging Face loaders expect. Dtypes safetensors cannot hold
     raise :class:`pitstop.UnsupportedStateError`. Returns the exported step.
     """
@@ -764,7 +766,11 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
         paths[name] = kp
         tensors[name] = t
     values = {k: encode_value(v, k) for k, v in flat.values.items()}
-    meta = {"format": "pt", "pitstop": json.dumps(
-        {"format_version": 1, "step": step, "values": values}, allow_nan=False)}
+    doc: dict[str, Any] = {"format_version": 1, "step": step, "values": values}
+    # the key paths a name does not spell (a "/" inside a key): `pitstop import` reads them
+    renamed = {name: kp for name, kp in paths.items() if name != kp}
+    if renamed:
+        doc["keys"] = renamed
+    meta = {"format": "pt", "pitstop": json.dumps(doc, allow_nan=False)}
     _atomic_write(path, lambda tmp: st.save_file(tensors, tmp, metadata=meta))
     return step

@@ -1,0 +1,51 @@
+"""`pitstop import` of a native TensorFlow checkpoint (this folder runs in a process of its
+own: TensorFlow and torch crash together)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import pitstop
+from pitstop.adapters.tf import Checkpoint
+from pitstop.cli import main
+
+
+def test_tf_native_imports_with_its_values_and_save_counter(tmp_path, capsys):
+    w = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    n = tf.Variable(np.int64(41))
+    ckpt = tf.train.Checkpoint(w=w, n=n)
+    ckpt.save(str(tmp_path / "tf" / "ckpt"))
+    w.assign_add(tf.ones((2, 3)))
+    prefix = ckpt.save(str(tmp_path / "tf" / "ckpt"))  # ckpt-2: save counter 2
+    reader = tf.train.load_checkpoint(prefix)
+    rc = main(["import", prefix + ".index", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert (rc, err) == (0, ""), err
+    assert out == f"imported 3 arrays (40 B) from {prefix} as step 2 of {tmp_path / 'run'}\n"
+    assert "torch" not in sys.modules  # only the framework the format needs
+    with pitstop.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        tree = mgr.load(2)
+    got = tree["w"][".ATTRIBUTES"]["VARIABLE_VALUE"]
+    np.testing.assert_array_equal(got, reader.get_tensor("w/.ATTRIBUTES/VARIABLE_VALUE"))
+    # restores into live TensorFlow objects through pitstop's tf.train.Checkpoint
+    w2, n2 = tf.Variable(tf.zeros((2, 3))), tf.Variable(np.int64(0))
+    Checkpoint(w=w2, n=n2).restore(str(tmp_path / "run" / "ckpt-2")).assert_consumed()
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+    assert int(n2.numpy()) == 41
+    # the step exists: refused, one line; --step picks another
+    assert main(["import", prefix, str(tmp_path / "run")]) == 2
+    assert "already has a checkpoint of step 2" in capsys.readouterr().err
+    assert main(["import", prefix, str(tmp_path / "run"), "--from", "tf", "--step", "9"]) == 0
+    capsys.readouterr()
+    # the directory: its newest checkpoint (the "checkpoint" state file's), as TF's own
+    assert main(["import", str(tmp_path / "tf"), str(tmp_path / "latest")]) == 0
+    assert f"from {prefix} as step 2" in capsys.readouterr().out
+    # a truncated data file: one line, exit 2
+    data = tmp_path / "tf" / "ckpt-1.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:8])
+    assert main(["import", str(tmp_path / "tf" / "ckpt-1"), str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pitstop: ") and err.count("\n") == 1 and "ckpt-1" in err
