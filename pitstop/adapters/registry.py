@@ -161,6 +161,41 @@ def resolve(obj: Any) -> Adapter | None:
     return None
 
 
+#: the adapter package (pitstop.adapters.<name>) -> the modules whose versions it records
+_FRAMEWORK_MODULES = {"torch": ("torch",), "tf": ("tensorflow",), "keras": ("keras",),
+                      "jax": ("jax", "flax", "optax")}
+
+
+def frameworks_of(adapters: Any) -> dict[str, str]:
+    """The frameworks (and their versions) whose adapters are among ``adapters``, plus numpy:
+    what the manifest's ``writer`` records as ``frameworks``. Keras adds its backend
+    (``"keras.backend"``) and that backend's version. Called once per distinct set of
+    adapters (the manager keeps the answers), never per object."""
+    out: dict[str, str] = {}
+    names: list[str] = []
+    for a in adapters:
+        parts = type(a).__module__.split(".")
+        if len(parts) > 2 and parts[:2] == ["pitstop", "adapters"]:
+            names.extend(m for m in _FRAMEWORK_MODULES.get(parts[2], ()) if m not in names)
+    names.sort()
+    if "keras" in names:
+        keras = sys.modules.get("keras")
+        try:
+            backend = str(keras.backend.backend()) if keras is not None else None
+        except Exception:  # noqa: BLE001 - informational only
+            backend = None
+        if backend:
+            out["keras.backend"] = backend
+            if backend in ("tensorflow", "torch", "jax") and backend not in names:
+                names.append(backend)
+    for name in names + ["numpy"]:
+        module = sys.modules.get(name)
+        version = getattr(module, "__version__", None) if module is not None else None
+        if isinstance(version, str):
+            out[name] = version
+    return out
+
+
 def ambient_coordinator() -> Any:
     """The distributed job this process is a rank of, as a pitstop Coordinator:
     ``torch.distributed`` initialized with several ranks, or JAX's distributed runtime with

@@ -1,8 +1,12 @@
 """The ``pitstop`` command: look at, check and tidy checkpoint directories.
 
-    pitstop ls DIR                       committed steps: time, size, metrics; the newest marked
-    pitstop inspect DIR [--step N]       one checkpoint's manifest: arrays, values, metrics
-    pitstop verify DIR [--step N|--all]  read every array and check its hash
+    pitstop ls DIR                       every checkpoint: time, size, metrics, and its status
+                                         (what retention keeps and why; incomplete, corrupt,
+                                         abandoned, unreadable); the newest marked
+    pitstop inspect DIR [--step N]       one checkpoint's manifest: who wrote it (frameworks
+                                         and versions), arrays, values, metrics
+    pitstop verify DIR [--step N|--all]  read every array and check its hash (a progress bar
+                                         on stderr when it is a terminal)
     pitstop gc DIR                       remove leftovers of interrupted saves
     pitstop demo                         kill -9 a numpy training run, resume it, compare
 
@@ -10,6 +14,11 @@ DIR is a local directory or an object-store URL (``s3://bucket/prefix``, ``memor
 any fsspec URL): credentials and the endpoint come from the standard AWS environment and
 files (``AWS_ENDPOINT_URL`` ...), and ``-o KEY=VALUE`` passes storage options (e.g.
 ``-o endpoint_url=http://127.0.0.1:9000``, ``-o anon=true``); see docs/storage.md.
+
+Every subcommand's ``--help`` ends with an example, and a bad argument is one line
+(``pitstop inspect: --step: invalid int value: 'x'; see `pitstop inspect --help```), exit
+status 2: subcommands added with ``sub.add_parser`` get both rules from
+:class:`ArgumentParser` (the test walks every subparser).
 
 ``ls``, ``inspect`` and ``verify`` open the directory read-only (no lock, nothing written),
 so they work while a trainer is writing to it. Exit status: 0 fine, 1 a checkpoint failed
@@ -577,85 +586,270 @@ def _tolerant_streams() -> None:
 
 
 # ====================================================================== ls
+#: what each kind of row in ``pitstop ls`` is, said once under the table when one shows
+_LS_NOTES = {
+    "incomplete": "incomplete: left by an interrupted save or deletion (a writer may still "
+    "be using it); `pitstop gc {loc}` removes it when none is",
+    "corrupt": "corrupt: moved aside after failing verification; pitstop never restores or "
+    "deletes it: delete it by hand when done",
+    "abandoned": "abandoned: a newer checkpoint of a run that was rolled back to an older "
+    "step, moved aside at its first new save; pitstop never restores or deletes it: delete "
+    "it by hand when no longer needed",
+    "unreadable": "unreadable: its manifest cannot be read, so it is never restored; "
+    "`pitstop verify {loc} --step N` says why",
+    "not a checkpoint": "not a checkpoint: named like one, but no committed manifest; left "
+    "alone",
+}
+
+
+@dataclass
+class _Retention:
+    """The retention the directory's writer recorded (``directory.json``, "retention"):
+    its policies that ls can evaluate, with their labels, and the names of those it cannot
+    (a user's own policy objects); ``policies`` None: nothing recorded."""
+
+    policies: list[tuple[Any, str]] | None
+    custom: list[str]
+    summary: str
+
+
+def _retention(storage: Storage) -> _Retention:
+    from ..core.errors import InvalidArgumentError
+    from ..core.policy import KeepAll, KeepBest, KeepEverySteps, KeepLast
+    try:
+        raw = storage.read_meta("directory.json")
+        doc = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
+        doc = None
+    record = doc.get("retention") if isinstance(doc, dict) else None
+    if not isinstance(record, list):
+        return _Retention(None, [], "retention: policy unknown (the directory records none: "
+                          "written by an older pitstop, or not opened by a writer since)")
+    policies: list[tuple[Any, str]] = []
+    custom: list[str] = []
+    said: list[str] = []
+    for item in record:
+        try:
+            if not isinstance(item, dict):
+                raise TypeError
+            if "keep_last" in item:
+                n = item["keep_last"]
+                policies.append((KeepLast(n), f"newest {n}"))
+                said.append(f"keep_last={n}")
+            elif "keep_every_steps" in item:
+                k = item["keep_every_steps"]
+                policies.append((KeepEverySteps(k), f"every {k}"))
+                said.append(f"keep_every_steps={k}")
+            elif "keep_best" in item:
+                n, metric, mode = item["keep_best"], item["best_metric"], item["best_mode"]
+                if not isinstance(metric, str):
+                    raise TypeError
+                label = f"best {_shown(metric)}" if n == 1 else f"{n} best {_shown(metric)}"
+                policies.append((KeepBest(n, metric, mode), label))
+                said.append(f"keep_best={n} by {_shown(metric)} ({_shown(mode)})")
+            elif item.get("keep_all") is True:
+                policies.append((KeepAll(), "keep all"))
+                said.append("keep all")
+            elif isinstance(item.get("custom"), str):
+                custom.append(_shown(item["custom"]))
+                said.append(custom[-1])
+            else:
+                raise TypeError
+        except (InvalidArgumentError, TypeError, KeyError, ValueError):
+            custom.append(_short(item, 40))
+            said.append(custom[-1])
+    summary = ", ".join(said) if said else "none (keeps every checkpoint)"
+    return _Retention(policies, custom, f"retention: {summary}")
+
+
+def _retention_status(ret: _Retention, infos: dict[int, Any], aside_refs: dict[str, Any],
+                      naming: Naming) -> dict[int, str]:
+    """For each committed step, whether the next retention pass (after the next save) keeps
+    it and why, as the writer's retention decides (:func:`pitstop.core.policy.to_delete`,
+    then what incremental checkpoints reference); {} when the policy is unknown."""
+    if ret.policies is None or not infos:
+        return {}
+    if not ret.policies and not ret.custom:
+        return {s: "kept: no retention" for s in infos}
+    mine = [c for c in infos.values() if c.ours]
+    why: dict[int, list[str]] = {s: [] for s in infos}
+    for policy, label in ret.policies:
+        for s in policy.keep(mine):
+            why[s].append(label)
+    newest = max(infos)
+    newest_mine = max((c.step for c in mine), default=None)
+    finite = [s for s, c in infos.items() if c.all_finite]
+    for s, c in infos.items():
+        if not why[s] and s in (newest, newest_mine):
+            why[s].append("newest")
+        if not why[s] and finite and s == max(finite):
+            why[s].append("newest all-finite")
+        if c.protected:
+            why[s].append("protected")
+        if not why[s] and not c.ours:
+            why[s].append("not written by this directory's runs")
+    out = {s: "kept: " + ", ".join(r) for s, r in why.items() if r}
+    remaining = set(infos)
+    for s in sorted((s for s in infos if not why[s]), reverse=True):
+        if ret.custom:
+            out[s] = f"kept unless {ret.custom[0]} deletes it"
+            continue
+        users = sorted(t for t in remaining if t != s and s in (infos[t].refs or ()))
+        if users:
+            out[s] = f"kept: referenced by step {', '.join(map(str, users))}"
+            continue
+        name = naming.name(s)
+        held = sorted(a for a, refs in aside_refs.items() if name in refs)
+        if held:
+            out[s] = f"kept: referenced by {', '.join(held)}"
+            continue
+        remaining.discard(s)
+        out[s] = "deleted at the next save"
+    return out
+
+
+def _protected(storage: Storage, ident: str | None) -> set[int]:
+    """The steps the directory's index marks protected (not merely held by a reference)."""
+    from ..core.catalog import parse_index
+    if not ident:
+        return set()
+    try:
+        raw = storage.read_meta("index.json")
+        known = parse_index(raw, ident) if raw is not None else {}
+    except Exception:  # noqa: BLE001 - a cache: a doubtful one protects nothing
+        return set()
+    return {s for s, info in known.items() if info.protected}
+
+
+def _aside_refs(storage: Storage, listing: Listing) -> dict[str, tuple[str, ...]]:
+    """The abandoned checkpoints and what their manifests reference (retention keeps
+    those): see :meth:`pitstop.core.catalog.Catalog.held_aside`."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, _step, why in listing.aside:
+        if why != "abandoned":
+            continue
+        try:
+            doc = json.loads(storage.read_bytes(name, MANIFEST))
+            out[name] = tuple(str(r) for r in doc.get("refs") or ())
+        except Exception:  # noqa: BLE001 - unreadable: references nothing we can tell
+            out[name] = ()
+    return out
+
+
+def _leftover_rows(listing: Listing) -> list[tuple[int | None, str]]:
+    """(step or None, status) of each leftover of an interrupted operation."""
+    naming = listing.naming
+    rows: list[tuple[int | None, str]] = []
+    if listing.objects is not None:
+        for item in listing.leftovers:
+            what = {"save": "interrupted save", "delete": "interrupted deletion"}.get(
+                item.op, "interrupted write")
+            rows.append((naming.parse(item.name), f"incomplete: {what} ({_shown(item.entry)})"))
+        return rows
+    for entry in listing.tmp:
+        if entry.startswith(META_DIR + "/"):
+            rows.append((None, f"incomplete: interrupted write ({_shown(entry)})"))
+            continue
+        what = "interrupted deletion" if entry.startswith(".tmp-deleting-") else \
+            "interrupted save"
+        rows.append((naming.parse_tmp(entry), f"incomplete: {what} ({_shown(entry)})"))
+    return rows
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    from ..core.policy import CheckpointInfo
     _encryption()  # a malformed key is said once, not on every row as "unreadable"
     storage = _open(args.dir, args.storage_option)
     listing = _scan(storage)
+    only: int | None = None
+    if not listing.steps and not listing.has_meta:
+        one = _as_checkpoint(listing)
+        if one is not None:  # a checkpoint's own path: its row, in its run directory
+            storage, only = one
+            listing = _scan(storage)
     steps = listing.steps
     naming = listing.naming
+    loc = storage.location
     out = sys.stdout
-    print(f"{storage.location}: {len(steps)} checkpoint{'s' * (len(steps) != 1)}", file=out)
-    if steps:
-        rows = [("", "STEP", "SAVED", "SIZE", "ARRAYS", "METRICS")]
-        #: incremental checkpoints: holder step -> the steps that reference its data
-        users: dict[int, list[int]] = {}
-        for s in steps:
-            mark = "*" if s == steps[-1] else ""
-            try:
-                m = _reader(storage, naming.name(s), naming).manifest
-            except CliError as e:
-                if _gone(storage, naming.name(s)):
-                    continue  # deleted by a live trainer's retention while listing
-                rows.append((mark, str(s), "-", "-", "-", f"unreadable: {_one_line(e)}"))
-                continue
-            size = sum(m.files.values())
-            for h in m.refs:
-                held = naming.parse(h)
-                if held is not None:
-                    users.setdefault(held, []).append(s)
-            rows.append(
-                (
-                    mark,
-                    str(s),
-                    _time(m.created_unix),
-                    human_size(size),
-                    str(len(m.arrays)),
-                    _metric_text(m.metrics),
-                )
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        for r in rows:
-            cells = (
-                [r[0].ljust(1)]
-                + [
-                    r[i].rjust(widths[i]) if i in (1, 3, 4) else r[i].ljust(widths[i])
-                    for i in range(1, 5)
-                ]
-                + [r[5]]
-            )
+    if only is None:
+        print(f"{loc}: {len(steps)} checkpoint{'s' * (len(steps) != 1)}", file=out)
+    else:
+        print(f"{storage.path_of(naming.name(only))}: the checkpoint of step {only} "
+              f"(`pitstop ls {loc}` lists all {len(steps)})", file=out)
+    ret = _retention(storage) if listing.has_meta else None
+    if ret is not None and (steps or ret.policies is not None):
+        print(ret.summary, file=out)
+    ident, _ = _directory_id(storage)
+    protected = _protected(storage, ident)
+    #: (step or None, order, mark, saved, size, arrays, status, metrics, kind)
+    rows: list[tuple[int | None, int, str, str, str, str, str, str, str]] = []
+    infos: dict[int, Any] = {}
+    committed: dict[int, tuple[str, str, str, str]] = {}
+    unreadable: dict[int, str] = {}
+    for s in steps:
+        try:
+            m = _reader(storage, naming.name(s), naming).manifest
+        except CliError as e:
+            if _gone(storage, naming.name(s)):
+                continue  # deleted by a live trainer's retention while listing
+            unreadable[s] = _one_line(e)
+            infos[s] = CheckpointInfo(s, {}, ours=False)
+            continue
+        refs = tuple(sorted(r for r in (naming.parse(h) for h in m.refs) if r is not None))
+        infos[s] = CheckpointInfo(s, m.metrics, ours=bool(ident) and m.directory_id == ident,
+                                  all_finite=m.all_finite, protected=s in protected, refs=refs)
+        committed[s] = (_time(m.created_unix), human_size(sum(m.files.values())),
+                        str(len(m.arrays)), _metric_text(m.metrics))
+    decided = _retention_status(ret, infos, _aside_refs(storage, listing), naming) \
+        if ret is not None else {}
+    newest = max(infos) if infos else None
+    for s in infos:
+        mark = "*" if s == newest else ""
+        if s in unreadable:
+            rows.append((s, 0, mark, "-", "-", "-", f"unreadable: {unreadable[s]}", "",
+                         "unreadable"))
+            continue
+        saved, size, arrays, metrics = committed[s]
+        rows.append((s, 0, mark, saved, size, arrays, decided.get(s, "committed"), metrics,
+                     ""))
+    if only is None:
+        for step, status in _leftover_rows(listing):
+            rows.append((step, 1, "", "-", "-", "-", status, "", "incomplete"))
+        for name, step, why in listing.aside:
+            rows.append((step, 2, "", "-", "-", "-", f"{why}: moved aside ({_shown(name)})", "",
+                         why))
+        for name, what in listing.odd:
+            rows.append((naming.parse(name), 3, "", "-", "-", "-",
+                         f"not a checkpoint: {_shown(name)}: {what}", "", "not a checkpoint"))
+    else:
+        rows = [r for r in rows if r[0] == only]
+    rows.sort(key=lambda r: (r[0] is None, r[0] or 0, r[1]))
+    if rows:
+        table = [("", "STEP", "SAVED", "SIZE", "ARRAYS", "STATUS", "METRICS")] + [
+            (r[2], "-" if r[0] is None else str(r[0]), *r[3:8]) for r in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(6)]
+        for r in table:
+            cells = [r[0].ljust(1)] + [
+                r[i].rjust(widths[i]) if i in (1, 3, 4) else r[i].ljust(widths[i])
+                for i in range(1, 6)] + [r[6]]
             print("  ".join(cells).rstrip(), file=out)
-        print("(* newest)", file=out)
-        for held, by in sorted(users.items()):
+        if newest is not None and any(r[2] for r in rows):
+            print("(* newest)", file=out)
+    for kind in dict.fromkeys(r[8] for r in rows if r[8]):
+        print(_LS_NOTES[kind].format(loc=loc), file=out)
+    #: incremental checkpoints: holder step -> the steps that reference its data
+    users: dict[int, list[int]] = {}
+    for s, info in sorted(infos.items()):
+        for held in info.refs or ():
+            users.setdefault(held, []).append(s)
+    for held, by in sorted(users.items()):
+        if only in (None, held):
             print(f"step {held} holds data referenced by step {', '.join(map(str, by))} "
                   "(incremental: arrays unchanged since it are stored there once; kept while "
                   "a kept checkpoint references it)", file=out)
-    if listing.tmp:
-        print(
-            f"{len(listing.tmp)} leftover(s) of interrupted saves: {', '.join(listing.tmp)} "
-            "(a writer may still be using them; `pitstop gc` removes them when none is)",
-            file=out,
-        )
-    corrupt = [n for n, _, why in listing.aside if why == "corrupt"]
-    abandoned = [n for n, _, why in listing.aside if why == "abandoned"]
-    if corrupt:
-        print(
-            f"moved aside after failing verification: {', '.join(corrupt)} (pitstop keeps "
-            "them for inspection and never restores or deletes them; delete them by hand "
-            "when done)",
-            file=out,
-        )
-    if abandoned:
-        print(
-            f"abandoned: {', '.join(abandoned)} (newer checkpoints of a run that was rolled "
-            "back to an older step, moved aside at its first new save; pitstop keeps them "
-            "and never restores or deletes them; delete them by hand when no longer "
-            "needed)",
-            file=out,
-        )
-    for name, what in listing.odd:
-        print(f"{name}: {what} (left alone)", file=out)
-    single = _single_checkpoint_hint(listing, "ls")
-    if listing.foreign and not single:  # a checkpoint's own files are not foreign to it
+    if only is not None:
+        return OK
+    if listing.foreign:
         hint = (
             f"; this directory names a checkpoint {naming.describe()}"
             if any(_looks_like(naming, f) for f in listing.foreign)
@@ -665,7 +859,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not listing.has_meta:
         print(
             f"{_no_meta(listing)}: not a pitstop checkpoint directory (or its {META_DIR}/ "
-            f"was removed){single}",
+            "was removed)",
             file=out,
         )
     return OK
@@ -748,12 +942,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out = sys.stdout
     w = m.writer
     print(f"step {m.step}: {where}", file=out)
-    print(
-        f"  format {m.format_version}, saved {_time(m.created_unix)} by pitstop "
-        f"{_shown(w.get('pitstop', '?'))} on {_shown(w.get('host', '?'))} "
-        f"(pid {_shown(w.get('pid', '?'))})",
-        file=out,
-    )
+    print(f"  format {m.format_version}, saved {_time(m.created_unix)}", file=out)
+    print(f"  written by: {_written_by(w)}", file=out)
     print(
         f"  {len(m.arrays)} arrays, {human_size(m.nbytes)} in {len(m.files)} file(s) of "
         f"{human_size(sum(m.files.values()))}, hash {m.hash_algorithm}, "
@@ -814,7 +1004,72 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return OK
 
 
+def _written_by(writer: dict[str, Any]) -> str:
+    """``torch 2.13.0, numpy 2.1.0 (pitstop 0.1.0 on node7, pid 23471)``: the frameworks
+    whose adapters captured the state, then pitstop, the host and the pid."""
+    who = (f"pitstop {_shown(writer.get('pitstop', '?'))} on "
+           f"{_shown(writer.get('host', '?'))}, pid {_shown(writer.get('pid', '?'))}")
+    fw = writer.get("frameworks")
+    if not isinstance(fw, dict) or not fw:
+        return f"{who} (frameworks not recorded: an older pitstop)"
+    backend = fw.get("keras.backend")
+    parts = []
+    for name, version in fw.items():
+        if name == "keras.backend":
+            continue
+        text = f"{_shown(name)} {_shown(version)}"
+        if name == "keras" and backend is not None:
+            text += f" ({_shown(backend)} backend)"
+        parts.append(text)
+    return f"{', '.join(parts)} ({who})"
+
+
 # ====================================================================== verify
+def _wants_progress(asked: bool | None) -> bool:
+    """--progress / --no-progress, else whether stderr is a terminal (never a pipe or a
+    CI log)."""
+    if asked is not None:
+        return asked
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def _progress_bar(show: bool, label: str) -> Iterator[Any]:
+    """A progress bar of bytes read on stderr (rich), cleared when done; yields the
+    ``progress(done, total)`` callback, or None without a bar (not asked, or no rich)."""
+    if not show:
+        yield None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+    except ImportError:  # (the `cli` extra not installed): no bar, the check runs all the same
+        yield None
+        return
+    console = Console(file=sys.stderr, force_terminal=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                   DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                   console=console, transient=True)
+    task = bar.add_task(label, total=None)
+
+    def progress(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    with bar:
+        yield progress
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     _encryption()  # a malformed key is said once, before any checkpoint is read
     storage, want = _locate(args.dir, args.step, args.storage_option, "verify")
@@ -840,6 +1095,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failed: list[int] = []
     unchecked: list[str] = []
     repicks = 0
+    show = _wants_progress(args.progress)
+    if show:  # imported before any checkpoint's time is taken
+        with contextlib.suppress(ImportError):
+            import rich.progress  # noqa: F401
     total = len(steps)
     while steps:
         s = steps.pop(0)
@@ -860,7 +1119,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 key = _encryption()
                 reader = CheckpointReader(storage, name, naming=naming, encryption=key,
                                           plaintext_ok=key is None or _plaintext_ok(storage))
-                reader.verify()
+                with _progress_bar(show, f"step {s}") as bar:
+                    reader.verify(progress=bar)
             except CorruptCheckpointError as e:
                 if isinstance(storage, FsspecStorage) and _gone(storage, name):
                     # object stores have no read leases: a live trainer's retention may
@@ -1165,6 +1425,24 @@ def _gc_memory_tier(
 
 
 # ====================================================================== main
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``pitstop inspect: --step: invalid int value: 'x';
+    see `pitstop inspect --help``` on stderr, exit status 2 (argparse prints the usage and
+    the error on two lines or more). Subcommands get it too (``parser_class``)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        text = _one_line(message)
+        if text.startswith("argument "):
+            text = text[len("argument "):]
+        self.exit(ERROR, f"{self.prog}: {text}; see `{self.prog} --help`\n")
+
+
+def _example(*lines: str) -> dict[str, Any]:
+    """The epilog every ``--help`` ends with: ``example:`` and the command lines."""
+    return {"epilog": "example:\n" + "".join(f"  {ln}\n" for ln in lines),
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
 def _url_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
@@ -1173,26 +1451,38 @@ def _url_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="pitstop",
         description="Look at, check and tidy pitstop checkpoint directories.",
-        epilog="Exit status: 0 fine, 1 a checkpoint failed verification, 2 other errors.",
+        epilog="Exit status: 0 fine, 1 a checkpoint failed verification, 2 other errors.\n\n"
+        "example:\n  pitstop ls runs/exp1\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from .._version import __version__
 
     p.add_argument("--version", action="version", version=f"pitstop {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                           parser_class=ArgumentParser)
 
     s = sub.add_parser(
         "ls",
-        help="list committed checkpoints (step, time, size, metrics), "
-        "checkpoints moved aside, leftovers and entries that are not pitstop's",
+        help="list checkpoints: committed ones (step, time, size, metrics, whether "
+        "retention keeps them), incomplete, corrupt and abandoned ones",
+        description="List a checkpoint directory: every committed checkpoint with its "
+        "time, size and metrics, and whether the next retention pass keeps it (and why); "
+        "incomplete saves, checkpoints moved aside (corrupt, abandoned) and unreadable "
+        "ones; entries that are not pitstop's. Given a checkpoint's own path, its row only.",
+        **_example("pitstop ls runs/exp1", "pitstop ls runs/exp1/step_0000000300"),
     )
     s.add_argument("dir", metavar="DIR")
     _url_options(s)
     s.set_defaults(func=cmd_ls)
 
-    s = sub.add_parser("inspect", help="show one checkpoint's manifest (newest by default)")
+    s = sub.add_parser(
+        "inspect", help="show one checkpoint's manifest (newest by default)",
+        description="Show one checkpoint: who wrote it (pitstop, frameworks and their "
+        "versions, host, pid), its arrays, values and metrics.",
+        **_example("pitstop inspect runs/exp1 --step 300"))
     s.add_argument("dir", metavar="DIR")
     _url_options(s)
     s.add_argument("--step", type=int, help="the step to show (default: the newest)")
@@ -1204,12 +1494,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("verify", help="read every array and check its hash (newest by default)")
+    s = sub.add_parser(
+        "verify", help="read every array and check its hash (newest by default)",
+        description="Read every array of a checkpoint and check its hash; a progress bar "
+        "on stderr when it is a terminal.",
+        **_example("pitstop verify runs/exp1 --all"))
     s.add_argument("dir", metavar="DIR")
     _url_options(s)
     g = s.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, help="verify this step")
     g.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+    s.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="show a progress bar on stderr (default: only when stderr is a terminal)")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser(
@@ -1217,7 +1514,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove leftovers of interrupted saves and stale memory-tier "
         "files (never a checkpoint, nor anything pitstop did not name)",
         description=GC_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_example("pitstop gc --dry-run runs/exp1", "pitstop gc runs/exp1"),
     )
     s.add_argument("dir", metavar="DIR")
     _url_options(s)
@@ -1235,6 +1532,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import demo
 
     demo.add_parser(sub)
+    _ensure_example(sub.choices["demo"], "pitstop demo")
     from . import convert, diff  # pitstop diff, export, import
     from . import run as _run
 
@@ -1244,11 +1542,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _ensure_example(parser: argparse.ArgumentParser, line: str) -> None:
+    """Give a subcommand that its module left without one the closing example."""
+    if "example:" not in (parser.epilog or ""):
+        parser.epilog = ((parser.epilog or "").rstrip("\n") + "\n\n" if parser.epilog
+                         else "") + f"example:\n  {line}\n"
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def parser_of(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``argv`` names (its first word that is one), else
+    ``parser``: found from the words, as a subcommand may reuse the dest ``command``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for word in argv:
+                if not word.startswith("-"):
+                    return action.choices.get(word, parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pitstop`` console script; returns the exit status."""
     _tolerant_streams()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser: `pitstop ls: unrecognized arguments: b`
+        parser_of(parser, sys.argv[1:] if argv is None else argv).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
     except CliError as e:

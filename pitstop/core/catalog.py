@@ -25,7 +25,15 @@ from typing import Any
 from .errors import CheckpointError, InvalidArgumentError
 from .manifest import Manifest, peek_header
 from .names import DEFAULT, Naming
-from .policy import CheckpointInfo, RetentionPolicy, to_delete
+from .policy import (
+    CheckpointInfo,
+    KeepAll,
+    KeepBest,
+    KeepEverySteps,
+    KeepLast,
+    RetentionPolicy,
+    to_delete,
+)
 from .reader import CheckpointReader
 from .storage import Storage
 
@@ -109,6 +117,43 @@ def create_identity(storage: Storage, naming: Naming = DEFAULT, encryption: Any 
         doc["encryption"] = {"algorithm": "aes-256-gcm", "key_id": encryption.key_id}
     storage.write_meta(IDENTITY, json.dumps(doc).encode())
     return ident
+
+
+def retention_record(policies: list[RetentionPolicy]) -> list[dict[str, Any]]:
+    """The retention policies as recorded in ``directory.json`` (``"retention"``), so that
+    ``pitstop ls`` can say which checkpoints the next retention pass keeps, and why. A
+    policy pitstop does not know is recorded by its class name only (``"custom"``)."""
+    out: list[dict[str, Any]] = []
+    for p in policies:
+        if isinstance(p, KeepLast):
+            out.append({"keep_last": p.n})
+        elif isinstance(p, KeepEverySteps):
+            out.append({"keep_every_steps": p.k})
+        elif isinstance(p, KeepBest):
+            out.append({"keep_best": p.n, "best_metric": p.metric, "best_mode": p.mode})
+        elif isinstance(p, KeepAll):
+            out.append({"keep_all": True})
+        else:
+            kind = type(p)
+            out.append({"custom": f"{kind.__module__}.{kind.__qualname__}"})
+    return out
+
+
+def record_retention(storage: Storage, policies: list[RetentionPolicy]) -> None:
+    """Record the writer's retention in ``directory.json`` when it differs from what is
+    recorded there (rewritten whole, atomically; readers ignore keys they do not know)."""
+    raw = storage.read_meta(IDENTITY)
+    if raw is None:
+        return
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return  # (read_identity refused it already, or reads without it)
+    record = retention_record(policies)
+    if not isinstance(doc, dict) or doc.get("retention") == record:
+        return
+    doc["retention"] = record
+    storage.write_meta(IDENTITY, json.dumps(doc).encode())
 
 
 def identity_of_checkpoints(storage: Storage, naming: Naming) -> Identity | None:
@@ -575,4 +620,5 @@ class Catalog:
             return sorted(s for s, i in self.index.items() if i.all_finite)
 
 
-__all__ = ["Catalog", "Identity", "read_identity", "create_identity", "resolve_naming"]
+__all__ = ["Catalog", "Identity", "read_identity", "create_identity", "resolve_naming",
+           "record_retention", "retention_record"]

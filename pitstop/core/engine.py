@@ -248,6 +248,9 @@ class PersistJob:
     #: snapshot="lazy": the part of the copy still running on the copy threads (the persist
     #: waits for it before hashing; the memory tier describes the buffer only then)
     lazy: LazyCopy | None = None
+    #: the frameworks (name -> version) whose adapters captured the state, numpy included:
+    #: the manifest's writer["frameworks"] (empty: not known, e.g. a recovered snapshot)
+    frameworks: dict[str, str] = field(default_factory=dict)
 
 
 class Engine:
@@ -1046,7 +1049,8 @@ class Engine:
             step=job.step, structure=structure, hash_algorithm=self.hash_algorithm,
             metrics=job.metrics, directory_id=self.directory_id, created_unix=job.created_unix,
             all_finite=True if job.check_finite else None, user_metadata=job.user_metadata,
-            writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid()},
+            writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid(),
+                    **({"frameworks": job.frameworks} if job.frameworks else {})},
             values=values,
         )
 

@@ -54,6 +54,7 @@ from .catalog import (
     create_identity,
     identity_of_checkpoints,
     read_identity,
+    record_retention,
     resolve_naming,
 )
 from .coordination import CoordinationError, Coordinator
@@ -211,6 +212,8 @@ class CheckpointManager:
         #: the leaves of the last save's big dicts of arrays, reused while they hold the
         #: same arrays (many small tensors: see tree.FlattenCache)
         self._flatten_cache = FlattenCache()
+        #: the adapters of a save -> the frameworks (and versions) they record
+        self._frameworks: dict[frozenset[Any], dict[str, str]] = {}
         #: one save (its checks, snapshot and submit) or close at a time, across threads
         self._api_lock = threading.RLock()
 
@@ -330,6 +333,11 @@ class CheckpointManager:
                         log.warning("pitstop: removed %d leftover(s) of interrupted saves in "
                                     "%s: %s", len(removed), self.directory, ", ".join(removed))
                     wrap_os(self._catalog.reconcile, self.directory, write=True)
+                    try:  # what `pitstop ls` reads to say which checkpoints retention keeps
+                        record_retention(self.storage, retention_list)
+                    except OSError as e:  # informational: never a reason to refuse the writer
+                        log.warning("pitstop: could not record the retention policy in "
+                                    "%s/.pitstop/directory.json: %s", self.directory, e)
                 except BaseException as e:
                     self._announce(error=e)
                     raise
@@ -880,7 +888,8 @@ class CheckpointManager:
                          metrics=clean, handle=handle, user_metadata=user_meta,
                          check_finite=self.nonfinite_guard, nonfinite_metrics=nonfinite,
                          global_shapes={k: list(flat.arrays[k].shape) for k in flat.sharded}
-                         if self._coord is not None else {})
+                         if self._coord is not None else {},
+                         frameworks=self._frameworks_of(flat))
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
         if len(self.stats) > 1000:
@@ -907,6 +916,16 @@ class CheckpointManager:
         if not self.async_save:
             handle.wait()  # raises the failure right here (and only here)
         return handle
+
+    def _frameworks_of(self, flat: FlatState) -> dict[str, str]:
+        """The frameworks that captured ``flat`` (the manifest's writer["frameworks"]),
+        looked up once per distinct set of adapters."""
+        key = frozenset(flat.used)
+        known = self._frameworks.get(key)
+        if known is None:
+            from ..adapters.registry import frameworks_of
+            known = self._frameworks[key] = frameworks_of(key)
+        return known
 
     def _warn_caveats(self, flat: FlatState) -> None:
         """What an adapter cannot capture exactly is said once, at the first save showing it."""

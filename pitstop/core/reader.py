@@ -111,6 +111,8 @@ class CheckpointReader:
                 checkpoint=self.where, file=MANIFEST) from None
         #: decrypts the arrays of an encrypted checkpoint
         self._cipher: Any = None
+        #: verify(progress=...): called with the bytes of each plain chunk read (see verify)
+        self._on_bytes: Callable[[int], None] | None = None
         if self.manifest.encryption is not None:
             self._cipher = encryption.cipher(self.manifest.encryption,
                                              self.manifest.directory_id, self.manifest.step)
@@ -170,21 +172,41 @@ class CheckpointReader:
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
         return f"; it holds array(s) {', '.join(repr(k) for k in keys[:5])}{more}"
 
-    def verify(self) -> None:
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Read every array and check its hash (``pitstop verify``): every rank's part of a
-        checkpoint that several ranks wrote."""
+        checkpoint that several ranks wrote. ``progress(done, total)`` (array bytes) is
+        called as the reading goes on (a progress bar's): per chunk of a large array, per
+        window of small ones."""
         self.check_files()
         runs, rest = self.plain_runs(list(self.manifest.arrays.items()))
-        for run in runs:  # hashed straight from each window: nothing is made per array
-            self.read_plain_run([(k, e, None) for k, e in run], _nothing)
-        for key, entry in rest:
-            self.read_array(key, entry)
         done = {(p.file, p.offset) for e in self.manifest.arrays.values() for p in e.parts
                 if p.ref is None}
-        for view in self.manifest.ranks:
-            for key, entry in view.arrays.items():
-                if any((p.file, p.offset) not in done for p in entry.parts):
-                    self.read_array(key, entry)
+        extra = [(key, entry) for view in self.manifest.ranks
+                 for key, entry in view.arrays.items()
+                 if any((p.file, p.offset) not in done for p in entry.parts)]
+        seen = [0]
+        total = sum(e.length for run in runs for _, e in run) + sum(
+            nbytes_of(e) for _, e in rest + extra)
+        if progress is not None:
+            def count(n: int) -> None:
+                seen[0] += n
+                progress(seen[0], total)
+            progress(0, total)
+        for run in runs:  # hashed straight from each window: nothing is made per array
+            self.read_plain_run([(k, e, None) for k, e in run], _nothing)
+            if progress is not None:
+                count(sum(e.length for _, e in run))
+        for key, entry in rest + extra:
+            if progress is None:
+                self.read_array(key, entry)
+                continue
+            before = seen[0]
+            self._on_bytes = count
+            try:
+                self.read_array(key, entry)
+            finally:
+                self._on_bytes = None
+            count(max(0, nbytes_of(entry) - (seen[0] - before)))  # compressed, encrypted
 
     # ------------------------------------------------------------------ arrays
     def read_array(self, key: str, entry: ArrayEntry, out: np.ndarray | None = None) -> np.ndarray:
@@ -219,6 +241,8 @@ class CheckpointReader:
                 if got != len(chunk):
                     raise self._corrupt(key, entry, "the data file ends early (truncated)")
                 h.update(chunk)
+                if self._on_bytes is not None:
+                    self._on_bytes(len(chunk))
         else:
             assert payload is not None
             try:

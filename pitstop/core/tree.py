@@ -259,6 +259,9 @@ class FlatState:
     caveats: list[str] = field(default_factory=list)
     #: keys of sharded array leaves (their shards are stored separately)
     sharded: list[str] = field(default_factory=list)
+    #: the adapters that captured objects of the state (the manifest names their
+    #: frameworks: ``writer["frameworks"]``)
+    used: set[Any] = field(default_factory=set)
     #: a state made by ``load(target=...)``: immutable objects at its root are rebuilt and
     #: the new root left in :attr:`root`
     detached: bool = False
@@ -643,6 +646,7 @@ class _Flattener:
         finally:
             self.open.discard(id(obj))
         flat.adapters.append((path, node))
+        flat.used.add(adapter)
         tag = getattr(adapter, "type_tag", None)
         name = tag(obj) if tag is not None else None
         return {"$o": sub, "$type": name} if name else {"$o": sub}

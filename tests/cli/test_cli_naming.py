@@ -55,9 +55,10 @@ def test_ls_lists_the_checkpoints_of_the_directorys_naming(run_dir, capsys):
     assert rc == 0 and err == ""
     lines = out.splitlines()
     assert "3 checkpoints" in lines[0]
-    rows = [ln.lstrip("* ").split()[0] for ln in lines[2:5]]
-    assert rows == ["8", "9", "10"] and lines[4].startswith("*")
-    assert f"moved aside after failing verification: {naming.name(8)}.corrupt-" in out
+    rows = [ln.lstrip("* ").split()[0] for ln in lines[3:7]]
+    assert rows == ["8", "8", "9", "10"] and lines[6].startswith("*")
+    assert f"corrupt: moved aside ({naming.name(8)}.corrupt-" in lines[4]
+    assert "corrupt: moved aside after failing verification" in out
     assert f"not pitstop's: {naming.prefix}09" in out
     assert f"names a checkpoint {naming.prefix}<step>" in out
 

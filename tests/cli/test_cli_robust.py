@@ -566,6 +566,21 @@ def test_every_command_as_a_subprocess_prints_no_traceback(world):
             env=env,
         )
         _check(cmd, r.returncode, r.stdout, r.stderr)
+    # a bad argument: one line naming the subcommand; a forced progress bar on an ASCII
+    # stderr: drawn in ASCII, and the verdict lines unchanged
+    for argv, code in ((["inspect", str(d), "--step", "x"], 2),
+                       (["verify", str(d), "--all", "--progress"], 1)):
+        r = subprocess.run([sys.executable, "-m", "pitstop.cli", *argv], capture_output=True,
+                           text=True, errors="replace", timeout=120, env=env)
+        assert "Traceback" not in r.stdout + r.stderr and r.returncode == code, r
+        if code == 2:
+            assert r.stdout == "" and r.stderr == (
+                "pitstop inspect: --step: invalid int value: 'x'; see `pitstop inspect "
+                "--help`\n")
+        else:
+            assert "100%" in r.stderr and "\\u" not in r.stderr
+            assert "pitstop: " in r.stderr.splitlines()[-1], r.stderr  # (after the bar)
+            assert all(ln.startswith("step ") for ln in r.stdout.splitlines()[:-1]), r.stdout
 
 
 # ====================================================================== the reported cases
@@ -790,10 +805,11 @@ def test_gc_leaves_files_and_links_named_like_leftovers(world, capsys):
         "not pitstop's: .tmp-step_0000000030-1a2b3c4d, .tmp-step_0000000040-2a2b3c4d, "
         ".pitstop/index.json.tmp-1a2b3c4d (left alone)"
     ) in out
-    assert (
-        "2 leftover(s) of interrupted saves: .tmp-step_0000000050-3a2b3c4d, "
-        ".pitstop/index.json.tmp-4a2b3c4d" in out
-    )
+    rows = [ln for ln in out.splitlines() if "incomplete: interrupted" in ln]
+    assert len(rows) == 2  # a save's (of step 50) and a .pitstop/ file's (no step)
+    assert rows[0].split()[0] == "50" and ".tmp-step_0000000050-3a2b3c4d" in rows[0]
+    assert rows[1].split()[0] == "-" and ".pitstop/index.json.tmp-4a2b3c4d" in rows[1]
+    assert f"`pitstop gc {d}` removes it" in out
     rc, out, err = run(capsys, "gc", d, "--memory-tier", shm)
     assert rc == 0 and err == ""
     assert "removed .tmp-step_0000000050-3a2b3c4d" in out
@@ -845,9 +861,14 @@ def test_ls_shows_moved_aside_checkpoints(world, capsys):
     rc, out, _ = run(capsys, "ls", d)
     assert rc == 0 and "2 checkpoints" in out
     line = next(x for x in out.splitlines() if corrupt in x)
-    assert "failing verification" in line and "pitstop keeps" in line and "by hand" in line
+    assert line.split()[0] == "30" and "corrupt: moved aside" in line
     line = next(x for x in out.splitlines() if abandoned in x)
-    assert "rolled back" in line and "pitstop keeps" in line and "by hand" in line
+    assert line.split()[0] == "40" and "abandoned: moved aside" in line
+    line = next(x for x in out.splitlines() if x.startswith("corrupt: "))
+    assert "failing verification" in line and "never restores or deletes" in line \
+        and "by hand" in line
+    line = next(x for x in out.splitlines() if x.startswith("abandoned: "))
+    assert "rolled back" in line and "never restores or deletes" in line and "by hand" in line
     assert "not pitstop's" not in out
     rc, out, _ = run(capsys, "verify", d, "--all")
     assert rc == 0 and "step 30" not in out and "step 40" not in out

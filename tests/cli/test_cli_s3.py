@@ -54,6 +54,9 @@ def test_ls_inspect_verify_on_a_url(url, capsys):
     lines = [ln for ln in out.splitlines() if ln.strip().startswith(("*", "10", "20", "30"))]
     assert [ln.split()[-1] for ln in lines] == ["loss=0.1", "loss=0.05", "loss=0.0333333"]
     assert lines[-1].startswith("*")
+    # the retention the writer recorded in the bucket: none, so every checkpoint stays
+    assert "retention: none (keeps every checkpoint)" in out
+    assert all("kept: no retention" in ln for ln in lines)
 
     rc, out, err = run(capsys, "inspect", url, "--step", "20")
     assert rc == 0, err
@@ -96,7 +99,8 @@ def test_gc_removes_an_interrupted_save_and_only_it(url, bucket, s3env, capsys):
 
     rc, out, err = run(capsys, "ls", url)
     assert rc == 0, err
-    assert f"1 leftover(s) of interrupted saves: {marker}" in out
+    row = next(ln for ln in out.splitlines() if marker in ln)
+    assert row.split()[0] == "40" and "incomplete: interrupted save" in row
     assert "not pitstop's: notes.txt" in out
     assert step_name(40) not in out.replace(marker, "")  # the save's own objects: no entry
 
@@ -123,7 +127,7 @@ def test_gc_removes_an_interrupted_save_and_only_it(url, bucket, s3env, capsys):
     left = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]]
     assert "run/notes.txt" in left and not [k for k in left if ".tmp-" in k]
     rc, out, _ = run(capsys, "ls", url)
-    assert "leftover" not in out
+    assert "incomplete" not in out
 
 
 def test_url_mistakes_are_one_clear_line(bucket, s3env, capsys, monkeypatch, tmp_path):
@@ -148,6 +152,10 @@ def test_one_checkpoint_given_instead_of_its_directory(url, capsys):
     assert rc == 0 and out.startswith("step 20:"), err
     rc, out, err = run(capsys, "verify", f"{url}/{step_name(20)}/")
     assert rc == 0 and "step 20: ok" in out, err
+    rc, out, err = run(capsys, "ls", f"{url}/{step_name(20)}")
+    assert rc == 0 and out.startswith(f"{url}/{step_name(20)}: the checkpoint of step 20"), err
+    rows = [ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]
+    assert len(rows) == 1 and rows[0].split()[0] == "20" and "loss=0.05" in rows[0]
 
 
 def test_memory_url(capsys):
