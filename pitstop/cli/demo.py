@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     args.steps = steps if args.steps is None else args.steps
     args.save_every = every if args.save_every is None else args.save_every
     if args.child:
+        if args.framework == "keras":
+            os.environ.setdefault("KERAS_BACKEND", "jax")  # the quickest to start here
         return _trainer(args.framework).train(ChildRun.from_args(args))
     if args.save_every < 1 or args.steps < 3 * args.save_every:
         print("pitstop demo: --steps must be at least 3 x --save-every (and --save-every "
@@ -319,6 +321,8 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     """The demo itself: reference and supervised runs side by side, the kill, the check."""
     t0 = time.perf_counter()
     fw = args.framework
+    if fw == "keras":
+        os.environ.setdefault("KERAS_BACKEND", "jax")  # the quickest to start here
     trainer = _trainer(fw)
     ckpt = os.path.join(work, "checkpoints")
     ref_dir, run_dir = os.path.join(work, "reference"), os.path.join(work, "resumed")
@@ -424,9 +428,10 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
         name, note = trainer.PEER
         print(f"training-thread stall per save, median of {len(pit)} saves of the same "
               f"state ({trainer.state_mib(args.steps):.1f} MiB) in the same process:")
-        print(f"   pitstop       {_ms(pit)}  (copy to a staging buffer; written, hashed "
-              "and fsynced in the background)")
-        print(f"   {name:<13} {_ms(peer)}  ({note})")
+        width = max(len(name), 7)
+        print(f"   {'pitstop':<{width}} {_ms(pit)}  (copy to a staging buffer; written, "
+              "hashed and fsynced in the background)")
+        print(f"   {name:<{width}} {_ms(peer)}  ({note})")
     print(f"took {time.perf_counter() - t0:.1f} s")
     if keep:
         print("look inside the checkpoints:")
