@@ -1234,6 +1234,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import demo
 
     demo.add_parser(sub)
+    from . import run as _run
+
+    _run.add_parser(sub)
     return p
 
 

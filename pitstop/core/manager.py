@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import memtier as memtier_mod
+from . import supervised
 from .arguments import (
     DEFAULT_SNAPSHOT,
     check_arguments,
@@ -246,6 +247,7 @@ class CheckpointManager:
             self._signals = SignalSaver(None)
             self._res = Resources(self._owner_pid, self.directory)
             self._finalizer = weakref.finalize(self, Resources.release, self._res, True)
+            self._tell_supervisor("open")
             return
 
         coord = self._coord
@@ -410,6 +412,7 @@ class CheckpointManager:
             self._finalizer.detach()
             self._res.release(False)
             raise
+        self._tell_supervisor("open")
 
     # ================================================================== public API
     def step(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None
@@ -529,6 +532,7 @@ class CheckpointManager:
             # asked for by number: this run goes on from there after all
             self._abandoned, self._rolled_back_to = set(), None
         restored, report, _flat = self._restore_into(state, step, strict, detached=False)
+        self._tell_supervisor("restore", step=restored)
         if restored is None:
             return None
         assert report is not None
@@ -595,12 +599,14 @@ class CheckpointManager:
         if target is not None:
             fresh = _skeleton(target, self._resolve)
             restored, _report, flat = self._restore_into(fresh, step, True, detached=True)
+            self._tell_supervisor("restore", step=restored)
             if restored is None:
                 raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
             return flat.root
         fence_all()
         recovered = self._recovered_at(step)
         if recovered is not None and (step is not None or self.latest_step() == recovered.step):
+            self._tell_supervisor("restore", step=recovered.step)
             return recovered.reader.load()
         if self._engine is not None:
             self._engine.drain()
@@ -616,7 +622,9 @@ class CheckpointManager:
                     reader = CheckpointReader(self.storage, self.naming.name(s),
                                               naming=self.naming, encryption=self.encryption)
                     self._use_rank(reader)
-                    return reader.load()
+                    loaded = reader.load()
+                self._tell_supervisor("restore", step=s)
+                return loaded
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 if isinstance(e, CorruptCheckpointError):
                     self._distrust_previous()
@@ -1199,6 +1207,13 @@ class CheckpointManager:
         except OSError as e:
             raise CheckpointError(f"cannot read {self.storage.path_of(name)}: "
                                   f"{type(e).__name__}: {e}") from e
+
+    def _tell_supervisor(self, event: str, **fields: Any) -> None:
+        """Tell ``pitstop run`` (when the job runs under it) what this manager did; never
+        raises (see :mod:`.supervised`)."""
+        if os.environ.get(supervised.ENV):
+            supervised.report(event, dir=self.directory, read_only=self.read_only,
+                              rank=self._rank_world[0], **fields)
 
     def _distrust_previous(self) -> None:
         """A read found damaged bytes (in a checkpoint or in a holder it references): an
