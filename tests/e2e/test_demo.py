@@ -38,6 +38,8 @@ def test_torch_demo_resumes_identically(tmp_path):
     m = re.search(r"restored step (\d+).*resumed at step (\d+)", out)
     assert m and int(m.group(2)) == int(m.group(1)) + 1, out
     assert int(killed.group(2)) <= int(m.group(1)) <= int(killed.group(1)), out
+    # the restart was pitstop run's, and it says which step the job resumed from
+    assert f"pitstop run: restart 1 resumed from step {m.group(1)}" in out, out
     # both stalls are shown, in milliseconds
     assert re.search(r"^   pitstop +\d+\.\d ms", out, re.M), out
     assert re.search(r"^   torch\.save +\d+\.\d ms", out, re.M), out
