@@ -336,8 +336,11 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     shown = (f"pitstop run --dir {ckpt} --max-restarts 3 -- python -m pitstop.cli demo "
              f"--framework {fw} --child ...")
 
+    announced = threading.Event()
+
     def relay(line: str) -> None:  # the supervisor's own reports, as it prints them
         if line.startswith("pitstop run:"):
+            announced.wait(30)  # after the demo's line that says what it killed
             print(f"     {line.rstrip()}", flush=True)
 
     # 1. the reference (never interrupted, no checkpoints) and 2. the run under pitstop,
@@ -371,6 +374,7 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     killed_after = sup.last_step
     print(f"   kill -9 {victim} (the training process; `pitstop run` stays) after step "
           f"{killed_after}; newest committed checkpoint: step {newest}", flush=True)
+    announced.set()
     rc = sup.wait()
     ref_rc = ref.wait()
     if ref_rc != 0 or not ref.done:
