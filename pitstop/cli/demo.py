@@ -98,6 +98,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--out", help=argparse.SUPPRESS)
     s.add_argument("--no-checkpoint", action="store_true", help=argparse.SUPPRESS)
     s.add_argument("--wrong-resume", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--kill-after", type=int, help=argparse.SUPPRESS)
     s.set_defaults(func=run)
 
 
@@ -139,9 +140,17 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"pitstop demo: cannot create {work}: {e.strerror}", file=sys.stderr)
             return 2
-        return orchestrate(work, args, keep=True)
+        return _interruptible(work, args, keep=True)
     with tempfile.TemporaryDirectory(prefix="pitstop-demo-") as work:
-        return orchestrate(work, args, keep=False)
+        return _interruptible(work, args, keep=False)
+
+
+def _interruptible(work: str, args: argparse.Namespace, keep: bool) -> int:
+    try:
+        return orchestrate(work, args, keep)
+    except KeyboardInterrupt:  # Ctrl+C: the training processes got it too, and stop
+        print("pitstop demo: interrupted", file=sys.stderr)
+        return 130
 
 
 def _trainer(framework: str) -> Any:
@@ -160,14 +169,17 @@ class ChildRun:
     seed: int
     wrong_resume: bool = False
     peer_path: str = ""
+    #: the step whose commit the demo waits for to kill this process (first run only)
+    kill_after: int | None = None
     saves: list[tuple[int, float, float]] = field(default_factory=list)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChildRun:
         directory = None if args.no_checkpoint else args.child
         peer = os.path.join(os.path.dirname(os.path.abspath(args.out)), "peer-save")
+        first = os.environ.get("PITSTOP_RESTART", "0") == "0"  # pitstop run sets it
         return cls(directory, args.out, args.steps, args.save_every, args.seed,
-                   args.wrong_resume, peer)
+                   args.wrong_resume, peer, args.kill_after if first else None)
 
     @staticmethod
     def say(line: str) -> None:
@@ -206,6 +218,15 @@ class ChildRun:
         t2 = time.perf_counter()
         if handle is not None:
             self.say(f"save {step} {t2 - t1:.6f} {t1 - t0:.6f}")
+        if self.kill_after is not None and step >= self.kill_after + self.save_every:
+            # a whole interval past the step the demo kills at, and still alive: the demo
+            # has not been scheduled yet (a busy machine). Wait for its SIGKILL here rather
+            # than finish unkilled; the checkpoint it waits for commits in the background.
+            # (Bounded: should the demo be gone, training goes on.)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.kill_after = None
 
     def finish(self, mgr: Any, arrays: dict[str, np.ndarray]) -> int:
         """Close the manager, write what the comparison reads, report ``done``."""
@@ -226,7 +247,8 @@ class _Watched:
                                      text=True, env={**os.environ, **_ENV})
         self.pids: list[int] = []
         self.restored: list[int | None] = []
-        self.last_step: int | None = None
+        #: per process (pid): the last step it reported finished
+        self.last_step: dict[int, int] = {}
         self.saves: list[tuple[int, float, float]] = []
         self.done = False
         self.err_lines: list[str] = []
@@ -243,8 +265,8 @@ class _Watched:
             try:
                 if kind == "pid":
                     self.pids.append(int(rest))
-                elif kind == "step":
-                    self.last_step = int(rest)
+                elif kind == "step" and self.pids:
+                    self.last_step[self.pids[-1]] = int(rest)
                 elif kind == "restored":
                     self.restored.append(None if rest == "None" else int(rest))
                 elif kind == "save":
@@ -277,7 +299,7 @@ class _Watched:
 
 
 def _child_cmd(framework: str, directory: str, out: str, args: argparse.Namespace,
-               checkpoint: bool = True) -> list[str]:
+               checkpoint: bool = True, kill_after: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "pitstop.cli", "demo", "--framework", framework, "--child",
            directory, "--out", out, "--steps", str(args.steps), "--save-every",
            str(args.save_every), "--seed", str(args.seed)]
@@ -285,6 +307,8 @@ def _child_cmd(framework: str, directory: str, out: str, args: argparse.Namespac
         cmd.append("--no-checkpoint")
     if args.wrong_resume:
         cmd.append("--wrong-resume")
+    if kill_after is not None:
+        cmd += ["--kill-after", str(kill_after)]
     return cmd
 
 
@@ -330,11 +354,14 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     print(f"  {args.steps} steps, a checkpoint every {args.save_every} steps, in {ckpt}"
           + ("" if keep else " (a temporary directory)"))
 
-    child = _child_cmd(fw, ckpt, run_out, args)
+    # kill once a few checkpoints have committed, in the first third or so of the run
+    kill_after = max(2 * args.save_every,
+                     (args.steps // 3) // args.save_every * args.save_every)
+    child = _child_cmd(fw, ckpt, run_out, args, kill_after=kill_after)
     cmd = [sys.executable, "-m", "pitstop.cli", "run", "--dir", ckpt, "--max-restarts", "3",
-           "--", *child]
-    shown = (f"pitstop run --dir {ckpt} --max-restarts 3 -- python -m pitstop.cli demo "
-             f"--framework {fw} --child ...")
+           "--backoff", "0.2", "--", *child]
+    shown = (f"pitstop run --dir {ckpt} --max-restarts 3 --backoff 0.2 -- python -m "
+             f"pitstop.cli demo --framework {fw} --child ...")
 
     announced = threading.Event()
 
@@ -351,29 +378,36 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
                               checkpoint=False))
     print(f"2. the run with pitstop: {shown}", flush=True)
     sup = _Watched(cmd, on_err=relay)
-    # kill once a few checkpoints have committed, in the first third or so of the run
-    kill_after = max(2 * args.save_every,
-                     (args.steps // 3) // args.save_every * args.save_every)
+    try:
+        return _supervised(args, trainer, ckpt, ref, sup, kill_after, announced, ref_out,
+                           run_out, run_dir, keep, t0)
+    finally:
+        for w in (ref, sup):
+            if w.proc.poll() is None:  # only on the way out of a failure: no strays
+                w.proc.kill()
+                w.wait()
+
+
+def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: _Watched,
+                sup: _Watched, kill_after: int, announced: threading.Event, ref_out: str,
+                run_out: str, run_dir: str, keep: bool, t0: float) -> int:
+    """From the start of both runs to the verdict."""
     deadline = time.monotonic() + 300
     while True:
         committed = _committed(ckpt)
         if committed and committed[-1] >= kill_after and sup.pids:
             break
         if sup.proc.poll() is not None:
-            ref.proc.kill()
             return _fail(sup, "the training run ended before it could be killed "
                          f"(exit status {sup.proc.returncode})")
         if time.monotonic() > deadline:
-            sup.proc.kill()
-            ref.proc.kill()
             return _fail(sup, "the training run made no progress")
         time.sleep(0.005)
     victim = sup.pids[0]
     os.kill(victim, signal.SIGKILL)
-    newest = _committed(ckpt)[-1]
-    killed_after = sup.last_step
-    print(f"   kill -9 {victim} (the training process; `pitstop run` stays) after step "
-          f"{killed_after}; newest committed checkpoint: step {newest}", flush=True)
+    newest = _committed(ckpt)[-1]  # (nothing commits after the kill: its writer died too)
+    print(f"   kill -9 {victim}: the training process (not `pitstop run`); newest committed "
+          f"checkpoint: step {newest}", flush=True)
     announced.set()
     rc = sup.wait()
     ref_rc = ref.wait()
@@ -382,17 +416,19 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     if rc != 0 or not sup.done:
         return _fail(sup, f"the run with pitstop failed (exit status {rc})")
     restored = sup.restored[-1] if sup.restored else None
-    if restored is None:
+    if restored is None or len(sup.pids) < 2:
         return _fail(sup, "the restarted training found nothing to restore")
+    killed_after = sup.last_step.get(victim, -1)
     source = ("" if restored == newest else
               " (from the memory tier: the snapshot outlived the killed process)")
-    print(f"   the restarted process restored step {restored}{source}, resumed at step "
-          f"{restored + 1} and trained to step {args.steps - 1}")
+    print(f"   the killed process had finished step {killed_after}; the restarted one "
+          f"restored step {restored}{source}, resumed at step {restored + 1} and trained to "
+          f"step {args.steps - 1}")
 
     # 3. the comparison
     reference, resumed = _load(ref_out), _load(run_out)
     losses = reference["losses"]
-    right_step = newest <= restored <= (killed_after if killed_after is not None else -1)
+    right_step = newest <= restored <= killed_after
     differ = sorted(k for k in reference
                     if k not in resumed or not _bitwise_equal(reference[k], resumed[k]))
     differ += sorted(set(resumed) - set(reference))

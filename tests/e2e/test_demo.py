@@ -32,14 +32,16 @@ def test_torch_demo_resumes_identically(tmp_path):
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     assert "--framework torch" in out and "identical: yes, bit for bit" in out
-    killed = re.search(r"kill -9 \d+ \(the training process.*\) after step (\d+); newest "
+    killed = re.search(r"kill -9 \d+: the training process \(not `pitstop run`\); newest "
                        r"committed checkpoint: step (\d+)", out)
     assert killed, out
-    m = re.search(r"restored step (\d+).*resumed at step (\d+)", out)
-    assert m and int(m.group(2)) == int(m.group(1)) + 1, out
-    assert int(killed.group(2)) <= int(m.group(1)) <= int(killed.group(1)), out
+    m = re.search(r"the killed process had finished step (\d+); the restarted one restored "
+                  r"step (\d+), resumed at step (\d+)", out)
+    assert m, out
+    newest, finished, restored = int(killed.group(1)), int(m.group(1)), int(m.group(2))
+    assert newest <= restored <= finished and int(m.group(3)) == restored + 1, out
     # the restart was pitstop run's, and it says which step the job resumed from
-    assert f"pitstop run: restart 1 resumed from step {m.group(1)}" in out, out
+    assert f"pitstop run: restart 1 resumed from step {restored}" in out, out
     # both stalls are shown, in milliseconds
     assert re.search(r"^   pitstop +\d+\.\d ms", out, re.M), out
     assert re.search(r"^   torch\.save +\d+\.\d ms", out, re.M), out
