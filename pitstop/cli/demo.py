@@ -66,11 +66,11 @@ def add_parser(sub: Any) -> None:
         "demo",
         help="kill -9 a real training run, resume it under `pitstop run`, prove it exact",
         description=(
-            "Train a small real model (PyTorch by default), SIGKILL it part-way, let "
-            "`pitstop run` restart it, and check that the resumed run ends bitwise identical "
-            "to an uninterrupted one. Also shows how long pitstop's save holds up the "
-            "training thread next to the framework's own save of the same state. "
-            "Exit status 0 only when identical."
+            "Train a small real model (PyTorch by default), SIGKILL it part-way, let\n"
+            "`pitstop run` restart it, and check that the resumed run ends bitwise identical\n"
+            "to an uninterrupted one. Also shows how long pitstop's save holds up the\n"
+            "training thread next to the framework's own save of the same state.\n"
+            "Exit status: 0 identical, 1 not identical (or a run failed), 2 bad arguments."
         ),
         epilog="example:\n  pitstop demo\n  pitstop demo --framework jax --dir /tmp/demo\n"
         "  pitstop ls /tmp/demo/checkpoints\n",
@@ -80,8 +80,8 @@ def add_parser(sub: Any) -> None:
         "--framework",
         choices=FRAMEWORKS,
         default="torch",
-        help="what trains: torch (default), numpy, tf, keras (Keras 3 on KERAS_BACKEND, "
-        "default tensorflow) or jax",
+        help="what trains: torch (default), numpy, tf, keras (Keras 3 on the backend "
+        "KERAS_BACKEND names; unset: jax if installed) or jax",
     )
     s.add_argument(
         "--dir",
@@ -104,13 +104,26 @@ def add_parser(sub: Any) -> None:
 
 def _missing(framework: str) -> str | None:
     """The one line to print when ``framework`` cannot be imported here, else None."""
-    module, extra = _NEEDS[framework]
-    if importlib.util.find_spec(module) is not None:
-        if framework == "jax" and importlib.util.find_spec("optax") is None:
-            return "pitstop demo: --framework jax needs optax: pip install 'pitstop[jax]'"
-        return None
-    return (f"pitstop demo: --framework {framework} needs {module}, which is not installed: "
-            f"pip install 'pitstop[{extra}]'")
+    needs = [_NEEDS[framework]]
+    if framework == "jax":
+        needs.append(("optax", "jax"))
+    if framework == "keras":
+        backend = _keras_backend()
+        needs.append({"tensorflow": ("tensorflow", "tf")}.get(backend, (backend, backend)))
+    for module, extra in needs:
+        if importlib.util.find_spec(module) is None:
+            return (f"pitstop demo: --framework {framework} needs {module}, which is not "
+                    f"installed: pip install 'pitstop[{extra}]'")
+    return None
+
+
+def _keras_backend() -> str:
+    """KERAS_BACKEND, or (unset) the quickest to start of those installed: jax, then torch,
+    then tensorflow; set in this process's environment, which the children inherit."""
+    if not os.environ.get("KERAS_BACKEND"):
+        os.environ["KERAS_BACKEND"] = next(
+            (b for b in ("jax", "torch", "tensorflow") if importlib.util.find_spec(b)), "jax")
+    return os.environ["KERAS_BACKEND"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,8 +131,6 @@ def run(args: argparse.Namespace) -> int:
     args.steps = steps if args.steps is None else args.steps
     args.save_every = every if args.save_every is None else args.save_every
     if args.child:
-        if args.framework == "keras":
-            os.environ.setdefault("KERAS_BACKEND", "jax")  # the quickest to start here
         return _trainer(args.framework).train(ChildRun.from_args(args))
     if args.save_every < 1 or args.steps < 3 * args.save_every:
         print("pitstop demo: --steps must be at least 3 x --save-every (and --save-every "
@@ -342,8 +353,6 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     """The demo itself: reference and supervised runs side by side, the kill, the check."""
     t0 = time.perf_counter()
     fw = args.framework
-    if fw == "keras":
-        os.environ.setdefault("KERAS_BACKEND", "jax")  # the quickest to start here
     trainer = _trainer(fw)
     ckpt = os.path.join(work, "checkpoints")
     ref_dir, run_dir = os.path.join(work, "reference"), os.path.join(work, "resumed")

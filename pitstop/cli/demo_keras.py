@@ -1,7 +1,7 @@
 """The Keras 3 trainer of ``pitstop demo``: a Sequential MLP with dropout, Adam with a cosine
 learning-rate schedule, ``train_on_batch`` on batches drawn from a seeded numpy Generator
-every step; on the backend KERAS_BACKEND names (the demo picks jax when it is unset: the
-quickest to start here). The model (weights and the dropout layer's seed generator), the
+every step; on the backend KERAS_BACKEND names (when it is unset the demo picks jax, the
+quickest to start here, if installed). The model (weights and the dropout layer's seed generator), the
 optimizer and the batch generator's state go straight into pitstop's state; the peer is
 ``model.save`` (the .keras file ModelCheckpoint writes: weights and optimizer)."""
 

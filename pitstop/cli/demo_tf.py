@@ -39,10 +39,12 @@ def train(c: ChildRun) -> int:
         def __init__(self) -> None:
             super().__init__()
             s1, s2 = 1 / np.sqrt(D_IN), 1 / np.sqrt(HIDDEN)
-            self.w1 = tf.Variable(init.uniform(-s1, s1, (D_IN, HIDDEN)).astype(np.float32))
-            self.b1 = tf.Variable(tf.zeros(HIDDEN))
-            self.w2 = tf.Variable(init.uniform(-s2, s2, (HIDDEN, D_OUT)).astype(np.float32))
-            self.b2 = tf.Variable(tf.zeros(D_OUT))
+            self.w1 = tf.Variable(init.uniform(-s1, s1, (D_IN, HIDDEN)).astype(np.float32),
+                                  name="w1")
+            self.b1 = tf.Variable(tf.zeros(HIDDEN), name="b1")
+            self.w2 = tf.Variable(init.uniform(-s2, s2, (HIDDEN, D_OUT)).astype(np.float32),
+                                  name="w2")
+            self.b2 = tf.Variable(tf.zeros(D_OUT), name="b2")
 
     class Momentum(tf.Module):
         def __init__(self, model: MLP) -> None:
@@ -90,8 +92,10 @@ def train(c: ChildRun) -> int:
     for step in range(start, c.steps):
         losses[step] = float(train_step())
         c.end_of_step(step, mgr, state, float(losses[step]), peer_save)
-    arrays = {f"model.{v.name}.{i}": v.numpy() for i, v in enumerate(params)}
-    arrays.update({f"optimizer.velocity.{i}": v.numpy() for i, v in enumerate(opt.velocity)})
+    names = [v.name.split(":")[0] for v in params]
+    arrays = {f"model.{n}": v.numpy() for n, v in zip(names, params, strict=True)}
+    arrays.update({f"optimizer.velocity.{n}": v.numpy()
+                   for n, v in zip(names, opt.velocity, strict=True)})
     arrays["rng"] = gen.state.numpy()
     arrays["losses"] = losses
     return c.finish(mgr, arrays)
