@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -182,7 +182,6 @@ class ChildRun:
     peer_path: str = ""
     #: the step whose commit the demo waits for to kill this process (first run only)
     kill_after: int | None = None
-    saves: list[tuple[int, float, float]] = field(default_factory=list)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChildRun:
