@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[all,dev]'
 	touch $(STAMP)
 
+# `make demo` trains PyTorch; `make demo FRAMEWORK=jax` (numpy, tf, keras, jax) another one
 demo: $(STAMP)
-	$(BIN)/python -m pitstop.cli demo
+	$(BIN)/python -m pitstop.cli demo $(if $(FRAMEWORK),--framework $(FRAMEWORK))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests

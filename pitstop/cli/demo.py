@@ -1,197 +1,325 @@
-"""``pitstop demo``: kill -9 a numpy training run part-way, restart it, prove the resume exact.
+"""``pitstop demo``: kill -9 a real training run part-way, let ``pitstop run`` restart it,
+prove the resumed run bitwise identical to an uninterrupted one.
 
-The training (linear regression, SGD with momentum, data drawn from a numpy RNG every step)
-runs as a child process, ``python -m pitstop.cli demo --child DIR``. The demo runs it once
-without checkpoints as the reference, then once with a CheckpointManager and SIGKILLs it
-after a few checkpoints have committed, then starts the same command again: it restores the
-newest checkpoint (weights, momentum, loss history, RNG state) and resumes at the next step.
-Final weights and every per-step loss must be bitwise equal to the reference.
+The training is a child process, ``python -m pitstop.cli demo --child ...``, with one small
+trainer per framework (``demo_<framework>.py``: torch by default, numpy, tf, keras, jax).
+The demo starts the same training twice, side by side: once without checkpoints (the
+reference), once under ``pitstop run`` with a CheckpointManager. Once a few checkpoints
+have committed it SIGKILLs the training process (not the supervisor), the supervisor
+restarts it, and the new process restores the newest checkpoint and trains to the end. The
+final weights, optimizer state and every per-step loss must equal the reference bit for
+bit. At each save the trainer also times the framework's own save of the same state, so
+the demo can show how long each one holds up the training thread.
+
+A child reports to the demo on stdout, one line each: ``pid N``, ``restored STEP|None``,
+``step N``, ``save STEP PITSTOP_S PEER_S``, ``done``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-D_IN, D_OUT, BATCH = 1024, 512, 64
-#: every child runs single-threaded BLAS: bitwise reproducible, and kind to a shared machine
-_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+FRAMEWORKS = ("torch", "numpy", "tf", "keras", "jax")
+#: framework -> (module it needs, the pitstop extra that installs it)
+_NEEDS = {
+    "torch": ("torch", "torch"),
+    "numpy": ("numpy", ""),
+    "tf": ("tensorflow", "tf"),
+    "keras": ("keras", "keras"),
+    "jax": ("jax", "jax"),
+}
+#: every child runs single-threaded: bitwise reproducible, and kind to a shared machine
+_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "TF_ENABLE_ONEDNN_OPTS": "0",
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    "PYTHONUNBUFFERED": "1",
+}
+#: per framework: default steps and checkpoint interval (the slow-to-import ones train less)
+_DEFAULTS = {"torch": (300, 25), "numpy": (200, 20), "tf": (150, 15), "keras": (150, 15),
+             "jax": (150, 15)}
 
 
 def add_parser(sub: Any) -> None:
-    s = sub.add_parser("demo", help="kill -9 a numpy training run, resume it, prove it exact")
+    s = sub.add_parser(
+        "demo",
+        help="kill -9 a real training run, resume it under `pitstop run`, prove it exact",
+        description=(
+            "Train a small real model (PyTorch by default), SIGKILL it part-way, let\n"
+            "`pitstop run` restart it, and check that the resumed run ends bitwise identical\n"
+            "to an uninterrupted one. Also shows how long pitstop's save holds up the\n"
+            "training thread next to the framework's own save of the same state.\n"
+            "Exit status: 0 identical, 1 not identical (or a run failed), 2 bad arguments."
+        ),
+        epilog="example:\n  pitstop demo\n  pitstop demo --framework jax --dir /tmp/demo\n"
+        "  pitstop ls /tmp/demo/checkpoints\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default="torch",
+        help="what trains: torch (default), numpy, tf, keras (Keras 3 on the backend "
+        "KERAS_BACKEND names; unset: jax if installed) or jax",
+    )
     s.add_argument(
         "--dir",
-        help="work directory (must be empty or absent; default: a temporary "
-        "directory, removed afterwards)",
+        help="work directory, kept afterwards for `pitstop ls/inspect` (must be empty or "
+        "absent; default: a temporary directory, removed afterwards)",
     )
-    s.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    s.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--steps", type=int, help="training steps (default 300 for torch, "
+                   "200 numpy, 150 tf/keras/jax)")
+    s.add_argument("--save-every", type=int, help="checkpoint every N steps (default: "
+                   "steps / 10 or so)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
     # internal: the training process itself
     s.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
     s.add_argument("--out", help=argparse.SUPPRESS)
     s.add_argument("--no-checkpoint", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--wrong-resume", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--kill-after", type=int, help=argparse.SUPPRESS)
     s.set_defaults(func=run)
 
 
+def _missing(framework: str) -> str | None:
+    """The one line to print when ``framework`` cannot be imported here, else None."""
+    needs = [_NEEDS[framework]]
+    if framework == "jax":
+        needs.append(("optax", "jax"))
+    if framework == "keras":
+        backend = _keras_backend()
+        needs.append({"tensorflow": ("tensorflow", "tf")}.get(backend, (backend, backend)))
+    for module, extra in needs:
+        if importlib.util.find_spec(module) is None:
+            return (f"pitstop demo: --framework {framework} needs {module}, which is not "
+                    f"installed: pip install 'pitstop[{extra}]'")
+    return None
+
+
+def _keras_backend() -> str:
+    """KERAS_BACKEND, or (unset) the quickest to start of those installed: jax, then torch,
+    then tensorflow; set in this process's environment, which the children inherit."""
+    if not os.environ.get("KERAS_BACKEND"):
+        os.environ["KERAS_BACKEND"] = next(
+            (b for b in ("jax", "torch", "tensorflow") if importlib.util.find_spec(b)), "jax")
+    return os.environ["KERAS_BACKEND"]
+
+
 def run(args: argparse.Namespace) -> int:
+    steps, every = _DEFAULTS[args.framework]
+    args.steps = steps if args.steps is None else args.steps
+    args.save_every = every if args.save_every is None else args.save_every
     if args.child:
-        return train(
-            args.child,
-            args.out,
-            args.steps,
-            args.save_every,
-            args.seed,
-            checkpoint=not args.no_checkpoint,
-        )
-    if args.steps < 3 * args.save_every or args.save_every < 1:
-        print("pitstop demo: --steps must be at least 3 x --save-every", file=sys.stderr)
+        return _trainer(args.framework).train(ChildRun.from_args(args))
+    if args.save_every < 1 or args.steps < 3 * args.save_every:
+        print("pitstop demo: --steps must be at least 3 x --save-every (and --save-every "
+              "at least 1)", file=sys.stderr)
+        return 2
+    missing = _missing(args.framework)
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     if args.dir:
         work = os.path.abspath(args.dir)
-        if os.path.exists(work) and os.listdir(work):
-            print(
-                f"pitstop demo: {work} is not empty; pass an empty or new directory",
-                file=sys.stderr,
-            )
+        if os.path.exists(work) and (not os.path.isdir(work) or os.listdir(work)):
+            print(f"pitstop demo: {work} is not an empty directory; pass an empty or new "
+                  "one", file=sys.stderr)
             return 2
-        os.makedirs(work, exist_ok=True)
-        return orchestrate(work, args, keep=True)
+        try:
+            os.makedirs(work, exist_ok=True)
+        except OSError as e:
+            print(f"pitstop demo: cannot create {work}: {e.strerror}", file=sys.stderr)
+            return 2
+        return _interruptible(work, args, keep=True)
     with tempfile.TemporaryDirectory(prefix="pitstop-demo-") as work:
-        return orchestrate(work, args, keep=False)
+        return _interruptible(work, args, keep=False)
 
 
-# ====================================================================== the training
-def train(
-    directory: str, out: str, steps: int, save_every: int, seed: int, checkpoint: bool
-) -> int:
-    """One training run; with ``checkpoint`` it resumes from ``directory`` if it can."""
-    from pitstop import CheckpointManager
+def _interruptible(work: str, args: argparse.Namespace, keep: bool) -> int:
+    try:
+        return orchestrate(work, args, keep)
+    except KeyboardInterrupt:  # Ctrl+C: the training processes got it too, and stop
+        print("pitstop demo: interrupted", file=sys.stderr)
+        return 130
 
-    w_true = np.random.default_rng(seed).standard_normal((D_IN, D_OUT), dtype=np.float32)
-    w_true /= np.float32(np.sqrt(D_IN))
-    rng = np.random.default_rng(seed + 1)  # draws every batch: its state is checkpointed
-    state: dict[str, Any] = {
-        "model": {"w": np.zeros((D_IN, D_OUT), np.float32), "b": np.zeros(D_OUT, np.float32)},
-        "optimizer": {
-            "w": np.zeros((D_IN, D_OUT), np.float32),
-            "b": np.zeros(D_OUT, np.float32),
-            "lr": 0.01,
-            "momentum": 0.9,
-        },
-        "losses": np.zeros(steps, np.float64),
-        "rng": rng.bit_generator.state,
-    }
-    w, b = state["model"]["w"], state["model"]["b"]
-    vw, vb = state["optimizer"]["w"], state["optimizer"]["b"]
-    start = 0
-    mgr = (
-        CheckpointManager(directory, save_every_steps=save_every, keep_last=3)
-        if checkpoint
-        else None
-    )
-    if mgr is not None:
-        restored = mgr.restore(state)  # arrays in place; values (rng, lr) replaced in the dict
-        if restored is not None:
-            rng.bit_generator.state = state["rng"]
-            start = restored + 1
-        print(f"restored {restored}", flush=True)
-    opt = state["optimizer"]
-    for step in range(start, steps):
-        x = rng.standard_normal((BATCH, D_IN), dtype=np.float32)
-        y = x @ w_true + np.float32(0.01) * rng.standard_normal((BATCH, D_OUT), dtype=np.float32)
-        err = x @ w + b - y
-        state["losses"][step] = float(np.mean(err * err, dtype=np.float64))
-        inv_batch = np.float32(1.0 / BATCH)  # gradient of 0.5 * mean over the batch of |err|^2
-        vw *= np.float32(opt["momentum"])
-        vw += inv_batch * (x.T @ err)
-        vb *= np.float32(opt["momentum"])
-        vb += inv_batch * err.sum(axis=0)
-        w -= np.float32(opt["lr"]) * vw
-        b -= np.float32(opt["lr"]) * vb
-        state["rng"] = rng.bit_generator.state
-        print(f"step {step}", flush=True)  # before the save: no checkpoint is ever ahead of it
+
+def _trainer(framework: str) -> Any:
+    return importlib.import_module(f"{__package__}.demo_{framework}")
+
+
+# ====================================================================== the child side
+@dataclass
+class ChildRun:
+    """What one training process is asked to do, and its reports to the demo (stdout)."""
+
+    directory: str | None  # None: the reference run, no checkpoints
+    out: str
+    steps: int
+    save_every: int
+    seed: int
+    wrong_resume: bool = False
+    peer_path: str = ""
+    #: the step whose commit the demo waits for to kill this process (first run only)
+    kill_after: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ChildRun:
+        directory = None if args.no_checkpoint else args.child
+        peer = os.path.join(os.path.dirname(os.path.abspath(args.out)), "peer-save")
+        first = os.environ.get("PITSTOP_RESTART", "0") == "0"  # pitstop run sets it
+        return cls(directory, args.out, args.steps, args.save_every, args.seed,
+                   args.wrong_resume, peer, args.kill_after if first else None)
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    def manager(self) -> Any:
+        """The run's CheckpointManager (None for the reference run); reports the pid."""
+        self.say(f"pid {os.getpid()}")
+        if self.directory is None:
+            return None
+        from pitstop import CheckpointManager
+
+        return CheckpointManager(self.directory, save_every_steps=self.save_every,
+                                 keep_last=3)
+
+    def restored(self, step: int | None) -> int:
+        """Report the restored step; returns the first step to train."""
+        self.say(f"restored {step}")
+        return 0 if step is None else step + 1
+
+    def end_of_step(self, step: int, mgr: Any, state: Any, loss: float,
+                    peer_save: Callable[[str], None]) -> None:
+        """The end of step ``step``: report it, then let the manager save when it is due.
+        At a save, ``peer_save(path)`` (the framework's own save of the same state) is
+        timed first, then pitstop's save: how long each holds up this thread."""
+        self.say(f"step {step}")  # before the save: no checkpoint is ever ahead of it
+        if mgr is None:
+            return
+        if step % self.save_every != 0:  # the manager's save_every_steps policy
+            mgr.step(step, state, metrics={"loss": loss})
+            return
+        t0 = time.perf_counter()
+        peer_save(self.peer_path)
+        t1 = time.perf_counter()
+        handle = mgr.step(step, state, metrics={"loss": loss})
+        t2 = time.perf_counter()
+        if handle is not None:
+            self.say(f"save {step} {t2 - t1:.6f} {t1 - t0:.6f}")
+        if self.kill_after is not None and step >= self.kill_after + self.save_every:
+            # a whole interval past the step the demo kills at, and still alive: the demo
+            # has not been scheduled yet (a busy machine). Wait for its SIGKILL here rather
+            # than finish unkilled; the checkpoint it waits for commits in the background.
+            # (Bounded: should the demo be gone, training goes on.)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.kill_after = None
+
+    def finish(self, mgr: Any, arrays: dict[str, np.ndarray]) -> int:
+        """Close the manager, write what the comparison reads, report ``done``."""
         if mgr is not None:
-            # the end of iteration `step`: a checkpoint of `step` resumes at `step + 1`
-            mgr.step(step, state, metrics={"loss": float(state["losses"][step])})
-    if mgr is not None:
-        mgr.close()
-    np.savez(out, w=w, b=b, vw=vw, vb=vb, losses=state["losses"])
-    print("done", flush=True)
-    return 0
+            mgr.close()
+        savez: Any = np.savez  # (numpy's stubs take a keyword argument for allow_pickle)
+        savez(self.out, **arrays)
+        self.say("done")
+        return 0
 
 
-# ====================================================================== the demo
-class _Child:
-    """A training child process whose progress lines are read on a thread."""
+# ====================================================================== the demo side
+class _Watched:
+    """A process whose stdout (the child's report lines) and stderr are read on threads."""
 
-    def __init__(
-        self, directory: str, out: str, args: argparse.Namespace, checkpoint: bool = True
-    ) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pitstop.cli",
-            "demo",
-            "--child",
-            directory,
-            "--out",
-            out,
-            "--steps",
-            str(args.steps),
-            "--save-every",
-            str(args.save_every),
-            "--seed",
-            str(args.seed),
-        ]
-        if not checkpoint:
-            cmd.append("--no-checkpoint")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **_ENV},
-        )
-        self.restored: int | None = None
-        self.last_step: int | None = None
+    def __init__(self, cmd: list[str], on_err: Callable[[str], None] | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **_ENV})
+        self.pids: list[int] = []
+        self.restored: list[int | None] = []
+        #: per process (pid): the last step it reported finished
+        self.last_step: dict[int, int] = {}
+        self.saves: list[tuple[int, float, float]] = []
         self.done = False
-        self.stderr = ""
-        self._out = threading.Thread(target=self._read, daemon=True)
-        self._out.start()
-        self._err = threading.Thread(target=self._read_err, daemon=True)
-        self._err.start()
+        self.err_lines: list[str] = []
+        self._on_err = on_err
+        self._threads = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=self._read_err, daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             kind, _, rest = line.strip().partition(" ")
-            if kind == "step":
-                self.last_step = int(rest)
-            elif kind == "restored":
-                self.restored = None if rest == "None" else int(rest)
-            elif kind == "done":
-                self.done = True
+            try:
+                if kind == "pid":
+                    self.pids.append(int(rest))
+                elif kind == "step" and self.pids:
+                    self.last_step[self.pids[-1]] = int(rest)
+                elif kind == "restored":
+                    self.restored.append(None if rest == "None" else int(rest))
+                elif kind == "save":
+                    s, a, b = rest.split()
+                    self.saves.append((int(s), float(a), float(b)))
+                elif kind == "done":
+                    self.done = True
+            except ValueError:
+                pass  # a line of the framework's own, not a report
 
     def _read_err(self) -> None:
         assert self.proc.stderr is not None
-        self.stderr = self.proc.stderr.read()
+        for line in self.proc.stderr:
+            self.err_lines.append(line)
+            if self._on_err is not None:
+                self._on_err(line)
 
-    def wait(self, timeout: float = 120) -> int:
-        rc = self.proc.wait(timeout)
-        self._out.join(5)
-        self._err.join(5)
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        for t in self._threads:
+            t.join(5)
         return rc
+
+    def tail(self) -> str:
+        return "".join(self.err_lines)[-4000:]
+
+
+def _child_cmd(framework: str, directory: str, out: str, args: argparse.Namespace,
+               checkpoint: bool = True, kill_after: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "pitstop.cli", "demo", "--framework", framework, "--child",
+           directory, "--out", out, "--steps", str(args.steps), "--save-every",
+           str(args.save_every), "--seed", str(args.seed)]
+    if not checkpoint:
+        cmd.append("--no-checkpoint")
+    if args.wrong_resume:
+        cmd.append("--wrong-resume")
+    if kill_after is not None:
+        cmd += ["--kill-after", str(kill_after)]
+    return cmd
 
 
 def _committed(directory: str) -> list[int]:
@@ -208,88 +336,143 @@ def _committed(directory: str) -> list[int]:
     )
 
 
-def _fail(child: _Child, what: str) -> int:
+def _fail(proc: _Watched, what: str) -> int:
     print(f"pitstop demo: {what}", file=sys.stderr)
-    if child.stderr:
-        print(child.stderr[-4000:], file=sys.stderr)
+    tail = proc.tail()
+    if tail:
+        print(tail, file=sys.stderr)
     return 1
+
+
+def _ms(seconds: list[float]) -> str:
+    return f"{statistics.median(seconds) * 1e3:7.1f} ms"
 
 
 def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
+    """The demo itself: reference and supervised runs side by side, the kill, the check."""
     t0 = time.perf_counter()
+    fw = args.framework
+    trainer = _trainer(fw)
     ckpt = os.path.join(work, "checkpoints")
-    ref_out, run_out = os.path.join(work, "reference.npz"), os.path.join(work, "resumed.npz")
-    state_mib = (2 * (D_IN * D_OUT + D_OUT) * 4 + args.steps * 8) / 2**20
-    print(
-        f"pitstop demo: numpy linear regression, SGD + momentum, {state_mib:.1f} MiB of state, "
-        f"{args.steps} steps, a checkpoint every {args.save_every} steps"
-    )
-    print(f"  checkpoints in {ckpt}" + ("" if keep else " (a temporary directory)"))
+    ref_dir, run_dir = os.path.join(work, "reference"), os.path.join(work, "resumed")
+    os.makedirs(ref_dir, exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
+    ref_out, run_out = os.path.join(ref_dir, "final.npz"), os.path.join(run_dir, "final.npz")
+    print(f"pitstop demo --framework {fw}: {trainer.DESCRIPTION}")
+    print(f"  {args.steps} steps, a checkpoint every {args.save_every} steps, in {ckpt}"
+          + ("" if keep else " (a temporary directory)"))
 
-    # 1. the reference: the same training, never interrupted, no checkpoints
-    ref = _Child(ckpt + ".unused", ref_out, args, checkpoint=False)
-    if ref.wait() != 0 or not ref.done:
-        return _fail(ref, "the reference run failed")
-    reference = _load(ref_out)
-    losses = reference["losses"]
-    print(f"1. reference run, uninterrupted: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    # kill once a few checkpoints have committed, in the first third or so of the run
+    kill_after = max(2 * args.save_every,
+                     (args.steps // 3) // args.save_every * args.save_every)
+    child = _child_cmd(fw, ckpt, run_out, args, kill_after=kill_after)
+    cmd = [sys.executable, "-m", "pitstop.cli", "run", "--dir", ckpt, "--max-restarts", "3",
+           "--backoff", "0.2", "--", *child]
+    shown = (f"pitstop run --dir {ckpt} --max-restarts 3 --backoff 0.2 -- python -m "
+             f"pitstop.cli demo --framework {fw} --child ...")
 
-    # 2. the same training with pitstop, SIGKILLed once a few checkpoints have committed
-    kill_after = max(2 * args.save_every, (args.steps // 3) // args.save_every * args.save_every)
-    first = _Child(ckpt, run_out, args)
-    deadline = time.monotonic() + 120
+    announced = threading.Event()
+
+    def relay(line: str) -> None:  # the supervisor's own reports, as it prints them
+        if line.startswith("pitstop run:"):
+            announced.wait(30)  # after the demo's line that says what it killed
+            print(f"     {line.rstrip()}", flush=True)
+
+    # 1. the reference (never interrupted, no checkpoints) and 2. the run under pitstop,
+    # side by side: each is single-threaded, and this machine has cores for both
+    print("1. reference run: the same training, uninterrupted, without checkpoints "
+          "(runs alongside 2.)")
+    ref = _Watched(_child_cmd(fw, os.path.join(work, "unused"), ref_out, args,
+                              checkpoint=False))
+    print(f"2. the run with pitstop: {shown}", flush=True)
+    sup = _Watched(cmd, on_err=relay)
+    try:
+        return _supervised(args, trainer, ckpt, ref, sup, kill_after, announced, ref_out,
+                           run_out, run_dir, keep, t0)
+    finally:
+        for w in (ref, sup):
+            if w.proc.poll() is None:  # only on the way out of a failure: no strays
+                w.proc.kill()
+                w.wait()
+
+
+def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: _Watched,
+                sup: _Watched, kill_after: int, announced: threading.Event, ref_out: str,
+                run_out: str, run_dir: str, keep: bool, t0: float) -> int:
+    """From the start of both runs to the verdict."""
+    deadline = time.monotonic() + 300
     while True:
         committed = _committed(ckpt)
-        if committed and committed[-1] >= kill_after:
+        if committed and committed[-1] >= kill_after and sup.pids:
             break
-        if first.proc.poll() is not None:
-            return _fail(
-                first,
-                "the training run ended before it could be killed "
-                f"(exit status {first.proc.returncode})",
-            )
+        if sup.proc.poll() is not None:
+            return _fail(sup, "the training run ended before it could be killed "
+                         f"(exit status {sup.proc.returncode})")
         if time.monotonic() > deadline:
-            first.proc.kill()
-            return _fail(first, "the training run made no progress")
+            return _fail(sup, "the training run made no progress")
         time.sleep(0.005)
-    first.proc.send_signal(signal.SIGKILL)
-    rc = first.wait()
-    on_disk = _committed(ckpt)
-    newest = on_disk[-1] if on_disk else None
-    print(
-        f"2. training run with pitstop: killed with SIGKILL (exit status {rc}) after step "
-        f"{first.last_step}; newest committed checkpoint: step {newest}"
-    )
+    victim = sup.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    newest = _committed(ckpt)[-1]  # (nothing commits after the kill: its writer died too)
+    print(f"   kill -9 {victim}: the training process (not `pitstop run`); newest committed "
+          f"checkpoint: step {newest}", flush=True)
+    announced.set()
+    rc = sup.wait()
+    ref_rc = ref.wait()
+    if ref_rc != 0 or not ref.done:
+        return _fail(ref, f"the reference run failed (exit status {ref_rc})")
+    if rc != 0 or not sup.done:
+        return _fail(sup, f"the run with pitstop failed (exit status {rc})")
+    restored = sup.restored[-1] if sup.restored else None
+    if restored is None or len(sup.pids) < 2:
+        return _fail(sup, "the restarted training found nothing to restore")
+    killed_after = sup.last_step.get(victim, -1)
+    source = ("" if restored == newest else
+              " (from the memory tier: the snapshot outlived the killed process)")
+    print(f"   the killed process had finished step {killed_after}; the restarted one "
+          f"restored step {restored}{source}, resumed at step {restored + 1} and trained to "
+          f"step {args.steps - 1}")
 
-    # 3. the same command again: it restores and resumes
-    second = _Child(ckpt, run_out, args)
-    if second.wait() != 0 or not second.done:
-        return _fail(second, "the resumed run failed")
-    restored = second.restored
-    if restored is None:
-        return _fail(second, "the resumed run found nothing to restore")
-    source = "" if restored == newest else " (from the memory tier: it outlived the process)"
-    print(
-        f"3. restarted the same command: restored step {restored}{source}, resumed at step "
-        f"{restored + 1}, trained to step {args.steps - 1}"
-    )
-
-    resumed = _load(run_out)
-    right_step = newest is not None and newest <= restored <= (first.last_step or -1)
-    same = [k for k in reference if _bitwise_equal(reference[k], resumed[k])]
-    identical = len(same) == len(reference)
-    if identical and right_step:
-        print(
-            f"identical: yes (final weights, momentum and all {args.steps} per-step losses "
-            f"bitwise equal to the reference; {time.perf_counter() - t0:.1f} s)"
-        )
-        return 0
-    differ = sorted(set(reference) - set(same))
-    print(
-        f"identical: NO (differ: {', '.join(differ) or 'none'}; resumed at the right step: "
-        f"{'yes' if right_step else 'no'})"
-    )
-    return 1
+    # 3. the comparison
+    reference, resumed = _load(ref_out), _load(run_out)
+    losses = reference["losses"]
+    right_step = newest <= restored <= killed_after
+    differ = sorted(k for k in reference
+                    if k not in resumed or not _bitwise_equal(reference[k], resumed[k]))
+    differ += sorted(set(resumed) - set(reference))
+    identical = not differ and right_step
+    print(f"3. compare with the reference: {len(reference) - 1} arrays of final weights and "
+          f"optimizer state, and all {len(losses)} per-step losses "
+          f"(loss {losses[0]:.4f} -> {losses[-1]:.4f})")
+    if identical:
+        print("   identical: yes, bit for bit")
+    else:
+        first_bad = _first_difference(reference.get("losses"), resumed.get("losses"))
+        print(f"   identical: NO (differ: {', '.join(differ[:8]) or 'none'}"
+              + ("" if len(differ) <= 8 else f" and {len(differ) - 8} more")
+              + (f"; the losses first differ at step {first_bad}" if first_bad is not None
+                 else "")
+              + ("" if right_step else "; resumed at the wrong step") + ")")
+    if sup.saves:
+        pit = [s[1] for s in sup.saves]
+        peer = [s[2] for s in sup.saves]
+        name, note = trainer.PEER
+        print(f"training-thread stall per save, median of {len(pit)} saves of the same "
+              f"state ({trainer.state_mib(args.steps):.1f} MiB) in the same process:")
+        width = max(len(name), 7)
+        print(f"   {'pitstop':<{width}} {_ms(pit)}  (copy to a staging buffer; written, "
+              "hashed and fsynced in the background)")
+        print(f"   {name:<{width}} {_ms(peer)}  ({note})")
+    for name in os.listdir(run_dir):  # the peer's files: only their timing mattered
+        if name.startswith("peer-save"):
+            path = os.path.join(run_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    print(f"took {time.perf_counter() - t0:.1f} s")
+    if keep:
+        print("look inside the checkpoints:")
+        for c in ("ls", "inspect", "verify"):
+            print(f"   pitstop {c} {ckpt}")
+    return 0 if identical else 1
 
 
 def _load(path: str) -> dict[str, np.ndarray]:
@@ -299,3 +482,12 @@ def _load(path: str) -> dict[str, np.ndarray]:
 
 def _bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _first_difference(a: np.ndarray | None, b: np.ndarray | None) -> int | None:
+    """The first index where two 1-D arrays differ in any bit, or None."""
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or a.ndim != 1:
+        return None
+    ne = np.flatnonzero((a.view(np.uint8).reshape(a.size, -1)
+                         != b.view(np.uint8).reshape(b.size, -1)).any(axis=1))
+    return int(ne[0]) if len(ne) else None
