@@ -245,7 +245,7 @@ def describe(returncode: int, *, killed: bool = False) -> str:
     (``killed``: the supervisor sent the SIGKILL)."""
     if returncode < 0:
         name = signal_name(-returncode)
-        hint = " (the out-of-memory killer? see dmesg)" \
+        hint = " (kill -9, a scheduler, or the out-of-memory killer: see dmesg)" \
             if -returncode == signal.SIGKILL and not killed else ""
         return f"signal {name}{hint}"
     return f"status {returncode}"
