@@ -1,4 +1,8 @@
-"""The ``pitstop`` command: look at, check and tidy checkpoint directories.
+"""The ``pitstop`` command: supervise training jobs; look at, check, compare, convert and
+tidy checkpoint directories.
+
+    pitstop run [--dir DIR] -- CMD...    run a training command, restart it when it dies
+                                         (back-off, crash-loop stop), forward signals
 
     pitstop ls DIR                       every checkpoint: time, size, metrics, and its status
                                          (what retention keeps and why; incomplete, corrupt,
@@ -8,7 +12,13 @@
     pitstop verify DIR [--step N|--all]  read every array and check its hash (a progress bar
                                          on stderr when it is a terminal)
     pitstop gc DIR                       remove leftovers of interrupted saves
-    pitstop demo                         kill -9 a numpy training run, resume it, compare
+    pitstop diff A B                     which arrays and values differ, and by how much
+    pitstop export CKPT --to FORMAT      as .npz, .safetensors, a torch.save file or Orbax
+    pitstop import SRC DEST              torch.save, DCP, TensorFlow, Orbax, safetensors, npz
+    pitstop demo [--framework F]         train, kill -9, restart under `pitstop run`, compare
+
+Every command that reads one checkpoint takes the run directory (its newest, or ``--step N``)
+or the checkpoint's own path (``runs/exp1/step_0000000300``).
 
 DIR is a local directory or an object-store URL (``s3://bucket/prefix``, ``memory://...``,
 any fsspec URL): credentials and the endpoint come from the standard AWS environment and
@@ -1453,8 +1463,10 @@ def _url_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="pitstop",
-        description="Look at, check and tidy pitstop checkpoint directories.",
-        epilog="Exit status: 0 fine, 1 a checkpoint failed verification, 2 other errors.\n\n"
+        description="Supervise training jobs; look at, check, compare, convert and tidy pitstop\n"
+        "checkpoint directories.",
+        epilog="Exit status: 0 fine, 1 a checkpoint failed verification (diff: the checkpoints\n"
+        "differ), 2 other errors; `pitstop run` exits with its job's status.\n\n"
         "example:\n  pitstop ls runs/exp1\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
