@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,8 +23,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check pitstop tests benchmarks examples
 	$(BIN)/mypy pitstop/core
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict   # the static site, offline, into site/
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

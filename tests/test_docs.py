@@ -1,12 +1,32 @@
-"""The documentation runs: every ```python block of README.md and docs/*.md is executed.
+"""The documentation runs: every code block of README.md and docs/*.md is run or checked.
 
-Rules the pages follow (and this file enforces):
+Rules the pages follow (and this file enforces). A fenced block's info string says what it is;
+an info string not listed here fails the test, so a typo cannot switch a block off.
 
-* A fenced block whose info string is ``python`` runs. The blocks of one page run in order,
-  in one namespace, in a fresh temporary working directory. A block that raises fails the
-  test, naming the page and the block's line.
-* ``python no-run`` marks an illustrative block that is not run (keep these few). Any other
-  word after ``python`` is an error, so a typo cannot switch a block off.
+* ``python`` runs. The blocks of one page run in order, in one namespace, in a fresh
+  temporary working directory. A block that raises fails the test, naming the page and the
+  block's line.
+* ``console`` runs too, in the same directory, after the blocks above it: each line that
+  starts with ``$ `` is a command for bash (``pitstop`` and ``python`` on PATH, this
+  checkout's ``pitstop`` imported); the lines after it, up to the next ``$ `` line, are its
+  stdout and stderr together. ``...`` matches any text (also across lines, as doctest's
+  ELLIPSIS); trailing whitespace is ignored. A last line ``[exit N]`` asserts the exit
+  status; without one it must be 0.
+* ``LANG excerpt=PATH`` (any LANG) is a piece of a file of the repository: its lines must
+  occur in PATH, in order and one after another, compared without indentation and with runs
+  of spaces as one; a line ``...`` skips any number of lines of the file.
+* ``sh`` shows commands that take too long to run here (benchmarks, ``make``, ``torchrun``).
+  Each line is checked: ``python FILE --options`` (FILE exists and names each ``--option``),
+  ``make TARGET`` (the Makefile has the target), ``torchrun ... FILE`` (FILE exists).
+* ``text output=PATH``: a recorded output of the program PATH (a benchmark, minutes long):
+  each snake_case name in it (a scenario, a counter) occurs in PATH's directory's sources.
+* ``text tree=DIR``: a directory listing of DIR (two spaces an indent level): every entry
+  exists.
+* ``text keys=PATH``: a fragment of a JSON document: every quoted ``"key":`` occurs in PATH
+  (the manifest's JSON Schema).
+* ``text diagram``: a drawing, not code (at most two per page).
+* ``json`` parses, and must be the manifest of ``<!-- manifest: PATH -->`` right before it:
+  the manifest the page's code wrote to ``PATH`` (apart from time, ids, host and pid).
 * Hidden code, for what a block needs but a reader does not (a model class, a dataset, a
   manager opened elsewhere), sits in an HTML comment that GitHub does not render::
 
@@ -16,8 +36,6 @@ Rules the pages follow (and this file enforces):
 
   It runs at its place in the page, in the page's namespace. ``<!-- check ... -->`` is the
   same, placed after a block to assert what the block's comments claim.
-* ``<!-- manifest: PATH -->`` right before a ```json block: that block must be the
-  manifest the page's code wrote to ``PATH`` (apart from time, ids, host and pid).
 * A block (or its setup) that imports torch runs only where torch imports.
 
 Relative links between pages must resolve (files and ``#anchors``), docs/index.md must link
@@ -68,10 +86,40 @@ VOLATILE = ("created_unix", "directory_id", "writer", "manifest_hash")
 
 @dataclass
 class Item:
-    kind: str  # "run", "skip", "hidden", "manifest", "json", "other"
+    kind: str  # "run", "console", "hidden", "manifest", "json", or a checked kind (SHOWN)
     line: int
     code: str = ""
     arg: str = ""
+
+
+#: blocks that are shown, not run: each is checked against the file it names
+SHOWN = {"excerpt", "sh", "output", "tree", "keys", "diagram"}
+_TEXT_KINDS = ("output", "tree", "keys")
+
+
+def _kind(info: list[str], where: str) -> tuple[str, str]:
+    """What a fenced block with this info string is: (kind, argument); raises on anything else."""
+    lang, words = (info[0] if info else ""), info[1:]
+    if len(words) == 1 and words[0].startswith("excerpt="):
+        return "excerpt", words[0].split("=", 1)[1]
+    if lang == "python" and not words:
+        return "run", ""
+    if lang == "console" and not words:
+        return "console", ""
+    if lang == "json" and not words:
+        return "json", ""
+    if lang == "sh" and not words:
+        return "sh", ""
+    if lang == "text" and words == ["diagram"]:
+        return "diagram", ""
+    if lang == "text" and len(words) == 1 and words[0].split("=")[0] in _TEXT_KINDS \
+            and "=" in words[0]:
+        kind, arg = words[0].split("=", 1)
+        return kind, arg
+    raise AssertionError(
+        f"{where}: unknown info string ```{' '.join(info)}: use ```python, ```console, "
+        "```LANG excerpt=PATH, ```sh, ```json (after a manifest comment), or ```text with "
+        "output=PATH, tree=DIR, keys=PATH or diagram (see tests/test_docs.py)")
 
 
 def items(page: Path) -> list[Item]:
@@ -84,21 +132,8 @@ def items(page: Path) -> list[Item]:
         line = text.count("\n", 0, m.start()) + 1
         info = m.group("info").strip().split()
         body = _dedent(m.group("body"), len(m.group("indent")))
-        if info[:1] == ["python"]:
-            if info[1:] == []:
-                found.append((m.start(), Item("run", line + 1, body)))
-            elif info[1:] == ["no-run"]:
-                found.append((m.start(), Item("skip", line + 1, body)))
-            else:
-                raise AssertionError(f"{page.name}:{line}: unknown marker {info[1:]} after "
-                                     "```python (use ```python or ```python no-run)")
-        elif info and info[0].lower().startswith(("py", "ipython")):
-            raise AssertionError(f"{page.name}:{line}: ```{info[0]} is neither run nor marked; "
-                                 "write ```python (or ```python no-run)")
-        elif info[:1] == ["json"]:
-            found.append((m.start(), Item("json", line + 1, body)))
-        else:
-            found.append((m.start(), Item("other", line + 1, body)))
+        kind, arg = _kind(info, f"{page.name}:{line}")
+        found.append((m.start(), Item(kind, line + 1, body, arg)))
     for m in _COMMENT.finditer(text):
         if any(a <= m.start() < b for a, b in spans):
             continue  # a comment inside a code block is code
@@ -130,6 +165,231 @@ def _run(page: Path, item: Item, ns: dict) -> None:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
         pytest.fail(f"{page.relative_to(ROOT)}: the block at line {item.line} raised "
                     f"{type(e).__name__}: {e}\n{tb}", pytrace=False)
+
+
+# ------------------------------------------------------------------------- console blocks
+_EXIT = re.compile(r"^\[exit (?P<n>\d+)\]$")
+
+
+def console_commands(code: str) -> list[tuple[int, str, str, int]]:
+    """A console block's commands: (line offset in the block, command, expected output, status)."""
+    out: list[tuple[int, str, str, int]] = []
+    for i, ln in enumerate(code.splitlines()):
+        if ln.startswith("$ "):
+            out.append((i, ln[2:], "", 0))
+        elif not out:
+            if ln.strip():
+                raise AssertionError(f"line {i + 1} of a console block comes before any `$ ` line")
+        else:
+            j, cmd, exp, _ = out[-1]
+            out[-1] = (j, cmd, exp + ln + "\n", 0)
+    for k, (j, cmd, exp, _) in enumerate(out):
+        lines = exp.rstrip().splitlines()
+        m = _EXIT.match(lines[-1].strip()) if lines else None
+        if m:
+            out[k] = (j, cmd, "\n".join(lines[:-1]), int(m.group("n")))
+    return out
+
+
+def _normal(text: str) -> str:
+    return "\n".join(ln.rstrip() for ln in text.splitlines()).strip("\n")
+
+
+def output_matches(expected: str, got: str) -> bool:
+    """doctest's ELLIPSIS: ``...`` in ``expected`` matches any text, also across lines; a
+    line that is only ``...`` matches any number of whole lines, none included."""
+    lines = _normal(expected).split("\n") if _normal(expected) else []
+    pattern, started = "", False
+    for i, ln in enumerate(lines):
+        if ln == "...":
+            if not started:
+                pattern += r"(?:.*?\n)?" if i + 1 < len(lines) else ".*?"
+            elif not pattern.endswith(r"(?:\n.*?)?"):
+                pattern += r"(?:\n.*?)?"
+            continue
+        pattern += ("\n" if started else "") + ".*?".join(map(re.escape, ln.split("...")))
+        started = True
+    return re.fullmatch(pattern, _normal(got), re.S) is not None
+
+
+def _console_env(bindir: Path) -> dict[str, str]:
+    """`pitstop` is this checkout's command; `python` the interpreter running the tests."""
+    shim = bindir / "pitstop"
+    if not shim.exists():
+        bindir.mkdir(parents=True, exist_ok=True)
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pitstop.cli "$@"\n')
+        shim.chmod(0o755)
+    env = dict(os.environ)
+    for k in ("COLUMNS", "LINES"):
+        env.pop(k, None)  # the command's tables are as wide as in a pipe
+    env["PATH"] = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), env["PATH"]])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _console(page: Path, item: Item, bindir: Path) -> None:
+    env = _console_env(bindir)
+    for offset, cmd, expected, status in console_commands(item.code):
+        r = subprocess.run(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env, timeout=300)
+        if r.returncode != status or not output_matches(expected, r.stdout):
+            pytest.fail(f"{page.relative_to(ROOT)}:{item.line + offset}: $ {cmd}\n"
+                        f"expected (exit {status}):\n{expected}\n"
+                        f"got (exit {r.returncode}):\n{r.stdout}", pytrace=False)
+
+
+# ------------------------------------------------------------------------- shown blocks
+def _squash(line: str) -> str:
+    return " ".join(line.split())
+
+
+def excerpt_problem(code: str, path: str) -> str | None:
+    """None when ``code``'s lines occur in the file ``path`` (see the module's docstring)."""
+    src = ROOT / path
+    if not src.is_file():
+        return f"excerpt of {path}: no such file"
+    have = [s for s in map(_squash, src.read_text().splitlines()) if s]
+    at, segment = 0, []
+    for ln in [*map(_squash, code.splitlines()), "..."]:
+        if ln != "...":
+            segment += [ln] if ln else []
+            continue
+        if segment:
+            found = next((i for i in range(at, len(have) - len(segment) + 1)
+                          if have[i:i + len(segment)] == segment), None)
+            if found is None:
+                return (f"excerpt of {path}: these lines are not in it, in this order:\n"
+                        + "\n".join(segment))
+            at, segment = found + len(segment), []
+    return None
+
+
+def sh_problems(code: str) -> list[str]:
+    """What is wrong with an ``sh`` block's command lines (see the module's docstring)."""
+    import shlex
+    bad = []
+    for ln in code.splitlines():
+        words = shlex.split(ln, comments=True)
+        if not words:
+            continue
+        if words[0] in ("python", "python3", ".venv/bin/python") and len(words) > 1:
+            script = ROOT / words[1]
+            if not script.is_file():
+                bad.append(f"{ln}: no file {words[1]}")
+                continue
+            src = script.read_text()
+            bad += [f"{ln}: {words[1]} has no option {w.split('=')[0]}" for w in words[2:]
+                    if w.startswith("--") and f'"{w.split("=")[0]}"' not in src]
+        elif words[0] == "make":
+            makefile = (ROOT / "Makefile").read_text()
+            bad += [f"{ln}: the Makefile has no target {w}" for w in words[1:]
+                    if not re.search(rf"^{re.escape(w)}\s*:", makefile, re.M)]
+        elif words[0] == "torchrun":
+            scripts = [w for w in words if w.endswith(".py")]
+            if not scripts or not (ROOT / scripts[-1]).is_file():
+                bad.append(f"{ln}: no script file")
+        else:
+            bad.append(f"{ln}: not a command the test can check (python FILE, make, torchrun); "
+                       "make it a ```console block")
+    return bad
+
+
+_SNAKE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+def _quoted(word: str, text: str) -> bool:
+    return f'"{word}"' in text or f"'{word}'" in text
+
+
+def _built(name: str, text: str) -> bool:
+    """A counter the program names with an f-string: ``f"killed_in_{phase}"`` for
+    ``killed_in_hash``, ``f"{kind}_{...}"`` with ``kind`` ``"swap"`` and ``'detected'``."""
+    cuts = [i for i in range(1, len(name)) if name[i] == "_"]
+    return any(name[:i + 1] + "{" in text or (_quoted(name[:i], text) and _quoted(name[i + 1:], text))
+               for i in cuts)
+
+
+def output_problems(code: str, path: str) -> list[str]:
+    """Names in a recorded output that its program's sources do not have."""
+    src = ROOT / path
+    if not src.exists():
+        return [f"output of {path}: no such file"]
+    tree = src if src.is_dir() else src.parent
+    text = "\n".join(f.read_text() for f in sorted(tree.rglob("*.py")))
+    bad = []
+    for name in sorted(set(_SNAKE.findall(code))):
+        if name not in text and not _built(name, text):
+            bad.append(f"output of {path}: {name!r} is in no source under {tree.relative_to(ROOT)}")
+    return bad
+
+
+def tree_problems(code: str, path: str) -> list[str]:
+    """Entries of a directory listing that do not exist."""
+    bad, stack = [], []
+    base = ROOT / path
+    for ln in code.splitlines():
+        if not ln.strip():
+            continue
+        depth = (len(ln) - len(ln.lstrip(" "))) // 2
+        words = ln.split()
+        names = words if all(re.fullmatch(r"[\w.]+\.py", w) for w in words) else words[:1]
+        stack[depth:] = [names[0].rstrip("/")]
+        if depth == 0:
+            if names[0].rstrip("/") != base.name:
+                bad.append(f"tree={path}: the listing starts with {names[0]}")
+            continue
+        for n in names:
+            where = base.joinpath(*stack[1:-1], n.rstrip("/"))
+            if not where.exists():
+                bad.append(f"tree={path}: {where.relative_to(ROOT)} does not exist")
+    return bad
+
+
+def keys_problems(code: str, path: str) -> list[str]:
+    src = ROOT / path
+    if not src.is_file():
+        return [f"keys={path}: no such file"]
+    text = src.read_text()
+    return [f"keys={path}: no {k!r} in it" for k in re.findall(r'"([A-Za-z_][\w-]*)"\s*:', code)
+            if not re.fullmatch(r"step_\d+", k)  # a checkpoint's name, not a key
+            if f'"{k}"' not in text]
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else page.name
+
+
+def shown_problems(page: Path) -> list[str]:
+    """Every block that is shown, not run, checked against what it shows."""
+    bad = []
+    page_items = items(page)
+    diagrams = 0
+    for prev, it in zip([None, *page_items], page_items, strict=False):
+        where = f"{_rel(page)}:{it.line}"
+        if it.kind == "excerpt":
+            problem = excerpt_problem(it.code, it.arg)
+            bad += [f"{where}: {problem}"] if problem else []
+        elif it.kind == "sh":
+            bad += [f"{where}: {p}" for p in sh_problems(it.code)]
+        elif it.kind == "output":
+            bad += [f"{where}: {p}" for p in output_problems(it.code, it.arg)]
+        elif it.kind == "tree":
+            bad += [f"{where}: {p}" for p in tree_problems(it.code, it.arg)]
+        elif it.kind == "keys":
+            bad += [f"{where}: {p}" for p in keys_problems(it.code, it.arg)]
+        elif it.kind == "diagram":
+            diagrams += 1
+        elif it.kind == "json" and (prev is None or prev.kind != "manifest"):
+            bad.append(f"{where}: a ```json block is a manifest the page wrote (a "
+                       "`<!-- manifest: PATH -->` comment right before it) or an excerpt")
+        elif it.kind == "console":
+            try:
+                console_commands(it.code)
+            except AssertionError as e:
+                bad.append(f"{where}: {e}")
+    if diagrams > 2:
+        bad.append(f"{_rel(page)}: {diagrams} ```text diagram blocks; at most 2")
+    return bad
 
 
 def _check_manifest(page: Path, path: str, doc_text: str, line: int) -> None:
@@ -180,6 +440,9 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert r.returncode == 0, f"{page.name} (own process):\n{r.stdout[-20000:]}\n{r.stderr[-3000:]}"
         return
     page_items = items(page)
+    bindir = tmp_path / "bin"
+    tmp_path = tmp_path / "page"
+    tmp_path.mkdir()
     monkeypatch.chdir(tmp_path)
     ns: dict = {"__name__": f"docs_{page.stem}"}
     pending_manifest: tuple[str, int] | None = None
@@ -193,6 +456,8 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
                 if _uses_torch(item.code) and not HAS_TORCH:
                     pytest.skip(f"{page.name}: needs torch from line {item.line}")
                 _run(page, item, ns)
+            elif item.kind == "console":
+                _console(page, item, bindir)
             elif item.kind == "manifest":
                 pending_manifest = (item.arg, item.line)
             elif item.kind == "json":
@@ -211,18 +476,17 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
         gc.collect()
 
 
-def test_no_run_blocks_are_few() -> None:
-    """Illustrative blocks are the exception: each page runs more than it shows."""
-    for page in PAGES:
-        kinds = [it.kind for it in items(page)]
-        assert kinds.count("skip") <= max(1, kinds.count("run")), page.name
+def test_shown_blocks_match_their_sources() -> None:
+    """Excerpts, command lines, recorded outputs, listings: each checked against its source."""
+    bad = [p for page in PAGES for p in shown_problems(page)]
+    assert not bad, "\n".join(bad)
 
 
 def test_every_python_block_is_valid_python() -> None:
-    """Also the ``no-run`` ones: they must at least compile."""
+    """Also the excerpts of Python files and the hidden code: they must at least compile."""
     for page in PAGES:
         for it in items(page):
-            if it.kind in ("run", "skip", "hidden"):
+            if it.kind in ("run", "hidden"):
                 compile("\n" * (it.line - 1) + it.code, page.name, "exec")
 
 
@@ -311,6 +575,21 @@ def _literal_all(path: Path) -> list[str]:
     raise AssertionError(f"{path} has no __all__")
 
 
+# ------------------------------------------------------------------------- the static site
+def test_the_site_builds_strict(tmp_path: Path) -> None:
+    """`make docs`: mkdocs builds every page offline; a link mkdocs cannot follow fails it
+    (about a second)."""
+    pytest.importorskip("mkdocs")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+                        "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [p.name for p in DOCS.glob("*.md") if f" {p.name}" not in nav]
+    assert not missing, f"mkdocs.yml's nav does not list {missing}"
+    assert (tmp_path / "site" / "cli" / "index.html").is_file()
+
+
 # ------------------------------------------------------------------------- the harness itself
 def test_a_block_that_raises_fails_the_test(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
@@ -326,16 +605,58 @@ def test_a_block_that_raises_fails_the_test(tmp_path: Path) -> None:
 
 def test_markers(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("<!-- setup\ny = 2\n-->\n\n```python no-run\nnot run\n```\n\n"
-                    "<!-- manifest: d/step_0000000001 -->\n\n```json\n{}\n```\n")
+    page.write_text("<!-- setup\ny = 2\n-->\n\n```python excerpt=Makefile\ndemo: $(STAMP)\n```\n\n"
+                    "<!-- manifest: d/step_0000000001 -->\n\n```json\n{}\n```\n\n"
+                    "```console\n$ true\n```\n\n```sh\nmake demo\n```\n\n"
+                    "```text diagram\na -> b\n```\n\n```text tree=pitstop\npitstop/\n```\n")
     assert [(it.kind, it.arg) for it in items(page)] == [
-        ("hidden", ""), ("skip", ""), ("manifest", "d/step_0000000001"), ("json", "")]
-    page.write_text("```python norun\nx = 1\n```\n")
-    with pytest.raises(AssertionError, match="unknown marker"):
-        items(page)
-    page.write_text("```py\nx = 1\n```\n")
-    with pytest.raises(AssertionError, match="neither run nor marked"):
-        items(page)
+        ("hidden", ""), ("excerpt", "Makefile"), ("manifest", "d/step_0000000001"),
+        ("json", ""), ("console", ""), ("sh", ""), ("diagram", ""), ("tree", "pitstop")]
+    assert shown_problems(page) == []
+    # a typo, an unmarked language, the old no-run marker: each fails, none switches a block off
+    for info in ("python norun", "python no-run", "py", "bash", "text", "text tree", "consol",
+                 "python excerpt", "json excerpt"):
+        page.write_text(f"```{info}\nx = 1\n```\n")
+        with pytest.raises(AssertionError, match="unknown info string"):
+            items(page)
+    page.write_text("```json\n{}\n```\n")
+    assert "manifest the page wrote" in shown_problems(page)[0]
+
+
+def test_console_blocks_match_with_ellipsis_and_exit_status(tmp_path: Path) -> None:
+    code = "$ echo a; echo b\na\n...\n$ echo x >&2; exit 3\nx\n[exit 3]\n$ true\n"
+    assert console_commands(code) == [(0, "echo a; echo b", "a\n...\n", 0),
+                                      (3, "echo x >&2; exit 3", "x", 3), (6, "true", "", 0)]
+    assert output_matches("a\n...\n", "a\nb\nc  \n")
+    assert output_matches("...step 3 ... by step 7...", "x\nstep 3 held by step 7\ny")
+    assert not output_matches("a\n", "a\nb\n")  # no trailing text without ...
+    assert not output_matches("", "something")
+    assert output_matches("...\nb\n...", "b") and output_matches("...\nb\n...", "a\nb\nc")
+    assert output_matches("a\n...\nb", "a\nb") and not output_matches("a\n...\nb", "ab")
+    assert output_matches("...", "anything\nat all") and output_matches("...", "")
+    page = tmp_path / "page.md"
+    page.write_text("```console\n$ pitstop --version\npitstop ...\n$ echo no; exit 2\nno\n[exit 2]\n```\n")
+    (item,) = items(page)
+    _console(ROOT / "README.md", item, tmp_path / "bin")  # the checkout's `pitstop` is on PATH
+    page.write_text("```console\n$ echo no; exit 2\nno\n```\n")
+    (item,) = items(page)
+    with pytest.raises(pytest.fail.Exception, match=r"README.md:2: \$ echo no; exit 2"):
+        _console(ROOT / "README.md", item, tmp_path / "bin")
+
+
+def test_shown_block_checks_find_rot() -> None:
+    assert excerpt_problem("demo: $(STAMP)\n\n...\nclean:", "Makefile") is None
+    assert excerpt_problem("clean:\n...\ndemo: $(STAMP)", "Makefile")  # out of order
+    assert excerpt_problem("x", "no/such/file")
+    assert sh_problems("python benchmarks/torture.py --only crash --seed 1  # note\nmake test") == []
+    assert len(sh_problems("python benchmarks/torture.py --no-such-flag\nmake nothing\nls")) == 3
+    assert output_problems("crash: 1 trials, killed_in_hash 2, restores_checked_by_the_job 3",
+                           "benchmarks/torture.py") == []
+    assert output_problems("crash: no_such_counter 1", "benchmarks/torture.py")
+    assert tree_problems("pitstop/\n  core/\n    tree.py\n    dtypes.py hashing.py\n", "pitstop") == []
+    assert tree_problems("pitstop/\n  core/\n    nothing.py\n", "pitstop")
+    assert keys_problems('"encryption": {"key_id": 1}', "docs/manifest.schema.json") == []
+    assert keys_problems('"no_such_key": 1', "docs/manifest.schema.json")
 
 
 # ------------------------------------------------------------------------- format.md's reader
