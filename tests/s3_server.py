@@ -198,7 +198,19 @@ def moto_server() -> Iterator[MotoServer]:
 
 
 # ---------------------------------------------------------------------- pytest fixtures
-# (imported by the test modules that use them; each module gets its own server)
+# (imported by the test modules that use them; one server for the whole pytest session,
+# emptied after each module, as if each module had its own)
+
+#: the session's server, started by the first module that asks for one
+_shared: MotoServer | None = None
+
+
+def _session_server(config: pytest.Config) -> MotoServer:
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = MotoServer()
+        config.add_cleanup(_shared.stop)
+    return _shared
 
 def s3_client(endpoint: str) -> Any:
     """A plain boto3 client of the test server, for setting up and looking behind pitstop."""
@@ -208,11 +220,16 @@ def s3_client(endpoint: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
+def moto(request: pytest.FixtureRequest) -> Iterator[MotoServer]:
+    """The session's S3 server (moto's start-up is seconds of imports), empty for each
+    module: every bucket and object of the module before is gone."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    with moto_server() as server:
-        yield server
+    server = _session_server(request.config)
+    server.reset()
+    yield server
+    if server.proc.poll() is None:
+        server.reset()
 
 
 @pytest.fixture

@@ -25,11 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 #: other pytest process (TensorFlow and torch's triton cannot share one; JAX reads its
 #: device count from XLA_FLAGS once per process)
 ISOLATED = {"tf": "tensorflow", "keras": "keras", "jax": "jax"}
+#: a run's environment entry (read here, not passed on) naming a part of a folder: the folder
+#: is run in parts, so that the last runs, which have both cores to themselves once the main
+#: process is done, end together rather than one of them alone
+PART = "PITSTOP_TEST_PART"
+#: (folder, part) -> that part's files; the run of the folder without a part takes the rest
+#: (a new file goes there). tests/jax's part "children": the tests whose time is mostly in
+#: child processes of their own (about half the folder's time)
+PARTS = {("jax", "children"): ["test_resume.py", "test_nnx_and_sharding_edges.py",
+                               "test_multiprocess.py", "test_crash.py"]}
 #: (folder, environment) of each run: the Keras folder once per backend (Keras fixes its
 #: backend per process, from KERAS_BACKEND)
-RUNS = [("tf", {}), ("jax", {}),
+RUNS = [("tf", {}), ("jax", {}), ("jax", {PART: "children"}),
         *(("keras", {"KERAS_BACKEND": b}) for b in ("jax", "torch", "tensorflow"))]
-IDS = [f"{f}-{e.get('KERAS_BACKEND', '')}".rstrip("-") for f, e in RUNS]
+IDS = [f"{f}-{e.get('KERAS_BACKEND', e.get(PART, ''))}".rstrip("-") for f, e in RUNS]
 _BACKEND_MODULE = {"jax": "jax", "torch": "torch", "tensorflow": "tensorflow"}
 TIMEOUT = 1500
 
@@ -43,7 +52,7 @@ def missing_module(folder: str, env: dict[str, str]) -> str | None:
 
 #: the runs' usual length order on this project's CI machine, longest first (a run missing
 #: here goes last): the last one to start is then a short one
-LONGEST_FIRST = ["keras-tensorflow", "keras-torch", "keras-jax", "tf", "jax"]
+LONGEST_FIRST = ["keras-tensorflow", "keras-torch", "keras-jax", "tf", "jax", "jax-children"]
 
 
 class Background:
@@ -91,14 +100,24 @@ class Background:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def selection(folder: str, env: dict[str, str]) -> list[str]:
+    """The pytest arguments of a run: its folder, or its part of it (see :data:`PARTS`)."""
+    part = env.get(PART)
+    if part is not None:
+        return [f"tests/{folder}/{f}" for f in PARTS[(folder, part)]]
+    others = [f for (of, _part), files in PARTS.items() if of == folder for f in files]
+    return [f"tests/{folder}", *(f"--ignore=tests/{folder}/{f}" for f in others)]
+
+
 def run(folder: str, env: dict[str, str], basetemp: str) -> subprocess.CompletedProcess:
-    """``pytest tests/<folder>`` in a process of its own (with its own temporary root, so two
-    pytest processes never tidy each other's directories)."""
+    """``pytest tests/<folder>`` (or its part) in a process of its own (with its own temporary
+    root, so two pytest processes never tidy each other's directories)."""
+    child_env = {k: v for k, v in env.items() if k != PART}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
-         f"tests/{folder}"],
+         *selection(folder, env)],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
-        env=dict(os.environ, **env, PYTHONPATH=os.pathsep.join(
+        env=dict(os.environ, **child_env, PYTHONPATH=os.pathsep.join(
             [str(ROOT), os.environ.get("PYTHONPATH", "")])))
 
 

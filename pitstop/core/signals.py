@@ -145,9 +145,21 @@ class SignalSaver:
         for signum, previous in list(self.previous.items()):
             try:
                 if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, previous)
+                    signal.signal(signum, _unretired(signum, previous))
             except (ValueError, TypeError):
                 pass
+
+
+def _unretired(signum: int, handler: Any) -> Any:
+    """``handler``, or, where it is a retired saver's (managers closed in another order than
+    made), the handler that saver had found: the program's own handler, not a dead one."""
+    seen = 0
+    while isinstance(getattr(handler, "__self__", None), SignalSaver) and \
+            getattr(handler, "__func__", None) is SignalSaver._on_signal and \
+            not handler.__self__.active and seen < 1000:
+        handler = handler.__self__.previous.get(signum, signal.SIG_DFL)
+        seen += 1
+    return handler
 
 
 def check_signals(names: Iterable[str | int] | None) -> list[int]:

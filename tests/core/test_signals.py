@@ -296,6 +296,26 @@ def test_signal_is_never_acted_on_inside_the_handler(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)
 
 
+def test_managers_closed_in_another_order_than_made_put_the_programs_handlers_back(tmp_path):
+    def mine(signum, frame):  # the program's own handler, there before pitstop's
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        a = pitstop.CheckpointManager(tmp_path / "a", memory_tier=False)
+        b = pitstop.CheckpointManager(tmp_path / "b", memory_tier=False)
+        a.close()  # the first one made closes first: b's handler is still on top
+        assert signal.getsignal(signal.SIGTERM) not in (mine, signal.SIG_DFL)
+        b.close()  # not a's retired handler: what was there before a
+        assert signal.getsignal(signal.SIGTERM) is mine
+        for s in (signal.SIGINT, signal.SIGUSR1):
+            assert signal.getsignal(s) is before[s], signal.Signals(s).name
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def test_managers_off_the_main_thread_install_no_handlers(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     out = {}

@@ -151,3 +151,38 @@ def test_bfloat16_variables_round_trip(manager) -> None:
     mgr.restore({"v": w})
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.cast(w, "float32")),
                                   keras.ops.convert_to_numpy(keras.ops.cast(v, "float32")))
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a Keras model next to JAX state: the jax backend")
+def test_keras_model_optax_state_and_key_together_on_jax_backend(tmp_path) -> None:
+    """One state holding a Keras model (JAX backend), an Optax optimizer state and a typed
+    PRNG key: each goes to its adapter and comes back exactly. (Moved from tests/jax, where
+    it ran in a process of its own: this run is that process.)"""
+    import jax
+    import jax.numpy as jnp
+    optax = pytest.importorskip("optax")
+
+    def model(seed: int) -> keras.Model:
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                 keras.layers.Dense(1)])
+
+    params = {"w": jnp.arange(4.0)}
+    tx = optax.adam(1e-2)
+    _, opt = tx.update({"w": jnp.ones(4)}, tx.init(params), params)
+    m = model(0)
+    state = {"model": m, "opt": opt, "key": jax.random.key(7)}
+    with pitstop.CheckpointManager(tmp_path / "c", save_on_signals=None) as mgr:
+        mgr.save(1, state).wait()
+        m2 = model(1)
+        fresh = {"model": m2, "opt": tx.init(params), "key": jax.random.key(0)}
+        assert mgr.restore(fresh) == 1
+    for a, b in zip(m.get_weights(), m2.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(fresh["opt"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert type(fresh["opt"]) is type(opt)
+    np.testing.assert_array_equal(jax.random.key_data(fresh["key"]),
+                                  jax.random.key_data(state["key"]))
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(np.asarray(m(x)), np.asarray(m2(x)))

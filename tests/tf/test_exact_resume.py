@@ -48,15 +48,44 @@ def losses(text: str) -> dict[int, str]:
     return seen
 
 
+class Reference:
+    """The uninterrupted run, one for the module's tests (the same job: the same result),
+    started with the first test's job and read when first needed."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.proc = out, None
+        self.result: tuple[int, str] | None = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            self.proc = start(self.out)
+
+    def finish(self, note: str) -> tuple[int, str]:
+        self.start()
+        if self.result is None:
+            self.result = finish(self.proc, note)
+        return self.result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = Reference(tmp_path_factory.mktemp("ref"))
+    yield ref
+    if ref.proc is not None and ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.communicate()
+
+
 @pytest.mark.parametrize("where", ["random step", "right after a save"])
-def test_sigkill_and_restart_is_bitwise_identical(tmp_path, where):
+def test_sigkill_and_restart_is_bitwise_identical(tmp_path, where, reference):
     seed = random.randrange(1 << 30)
     rnd = random.Random(seed)
     kill = (rnd.randrange(SAVE_EVERY, STEPS - 1) if where == "random step"
             else SAVE_EVERY * rnd.randrange(1, STEPS // SAVE_EVERY))
     note = f"kill at step {kill} ({where}), seed {seed}"
-    ref, job = start(tmp_path / "ref"), start(tmp_path / "job", "--kill-at", str(kill))
-    rc_ref, out_ref = finish(ref, note)
+    reference.start()
+    job = start(tmp_path / "job", "--kill-at", str(kill))
+    rc_ref, out_ref = reference.finish(note)
     rc_job, out_job = finish(job, note)
     assert rc_ref == 0, f"{note}\n{out_ref}"
     assert rc_job == -9, f"{note}: the job was not killed\n{out_job}"
@@ -65,7 +94,7 @@ def test_sigkill_and_restart_is_bitwise_identical(tmp_path, where):
     resumed = next(line for line in out2.splitlines() if line.startswith("RESUMED"))
     assert resumed.split()[-1] == str(kill - kill % SAVE_EVERY), f"{note}: {resumed}"
     assert losses(out_job + "\n" + out2) == losses(out_ref), note
-    a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "job" / "final.npz")
+    a, b = np.load(reference.out / "final.npz"), np.load(tmp_path / "job" / "final.npz")
     assert sorted(a) == sorted(b), note
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), f"{note}: {k}"

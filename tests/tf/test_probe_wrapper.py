@@ -122,16 +122,30 @@ def test_a_manager_made_after_a_restore_by_path_saves(tmp_path):
         ["ckpt-1", "ckpt-2", "ckpt-3"]
 
 
+HOW = ["latest_checkpoint", "path"]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """A run directory per ``how``, each left by one job (killed once, after a save into each
+    returned) with its ckpt-2 in the memory tier only."""
+    from tf_helpers import killed_after_saves
+
+    dirs = {how: str(tmp_path_factory.mktemp(how) / "run") for how in HOW}
+    assert killed_after_saves(1 << 16, *dirs.values()) == [f"{d}/ckpt-2" for d in dirs.values()]
+    yield dirs
+    for d in dirs.values():  # a test deselected: its snapshot does not stay in /dev/shm
+        CheckpointManager(Checkpoint(v=tf.Variable(tf.zeros([1 << 16]))), d, max_to_keep=2,
+                          memory_tier=True).close()
+
+
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs /dev/shm")
-@pytest.mark.parametrize("how", ["latest_checkpoint", "path"])
-def test_restoring_by_path_after_a_sigkill_finds_the_save_that_returned(tmp_path, how):
+@pytest.mark.parametrize("how", HOW)
+def test_restoring_by_path_after_a_sigkill_finds_the_save_that_returned(killed_runs, how):
     """tf.train's restart idiom, ``ckpt.restore(latest_checkpoint(d))`` (or the path the
     save returned), without a manager: the snapshot in the memory tier is that checkpoint."""
-    from tf_helpers import killed_after_save
-
     from pitstop.adapters.tf import latest_checkpoint
-    d = str(tmp_path / "run")
-    assert killed_after_save(d, 1 << 16) == f"{d}/ckpt-2"
+    d = killed_runs[how]
     v = tf.Variable(tf.zeros([1 << 16]))
     ckpt = Checkpoint(v=v)
     if how == "latest_checkpoint":

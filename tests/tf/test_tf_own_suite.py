@@ -145,9 +145,10 @@ ONE_CALL = ("pitstop/adapters/tf/_graph.py (Restore._assign): _restore_from_tens
 
 @pytest.fixture(autouse=True)
 def _close_pitstop_runs():
-    """Each test's run directories are released at its end (as a process exit would)."""
+    """Each test's run directories are released at its end (as a process exit would): every
+    manager still open is closed, also one only garbage keeps alive (no gc.collect() here:
+    with TensorFlow loaded, one takes most of a test's time)."""
     yield
-    gc.collect()
     for ref in list(pitstop_checkpoint._Runs._open.values()):
         mgr = ref()
         if mgr is not None and not mgr._closed:

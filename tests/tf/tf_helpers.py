@@ -50,12 +50,15 @@ import os, signal, sys, time
 os.environ["KERAS_BACKEND"] = "tensorflow"
 import numpy as np, tensorflow as tf
 from pitstop.adapters.tf import Checkpoint, CheckpointManager
-v = tf.Variable(np.arange(int(sys.argv[2]), dtype=np.float32))
-mgr = CheckpointManager(Checkpoint(v=v), sys.argv[1], max_to_keep=2, memory_tier=True)
-mgr.save(); mgr.sync()
-mgr._mgr.hooks["before_write"] = lambda step: time.sleep(60)  # the commit never comes
-v.assign_add(tf.ones_like(v))
-print(mgr.save(), flush=True)
+n, kept = int(sys.argv[1]), []
+for directory in sys.argv[2:]:
+    v = tf.Variable(np.arange(n, dtype=np.float32))
+    mgr = CheckpointManager(Checkpoint(v=v), directory, max_to_keep=2, memory_tier=True)
+    mgr.save(); mgr.sync()
+    mgr._mgr.hooks["before_write"] = lambda step: time.sleep(60)  # the commit never comes
+    v.assign_add(tf.ones_like(v))
+    print(mgr.save(), flush=True)
+    kept.append(mgr)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -64,13 +67,22 @@ def killed_after_save(directory: str, n: int) -> str:
     """Run a job that saves ``v = arange(n)`` as ckpt-1, then ``v + 1`` as ckpt-2, and is
     SIGKILLed right after that save returned (its commit held back): ckpt-2 lives only in
     the memory tier. Returns the path the second save returned."""
+    return killed_after_saves(n, directory)[0]
+
+
+def killed_after_saves(n: int, *directories: str) -> list[str]:
+    """:func:`killed_after_save` in each of ``directories`` (a manager each), by one job
+    killed once after the last (one job for several tests: its start is most of its time).
+    The paths the second saves returned."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    r = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, directory, str(n)],
+    r = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, str(n), *directories],
                        text=True, capture_output=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == -9, r.stdout + r.stderr
-    return r.stdout.strip()
+    paths = r.stdout.split()
+    assert len(paths) == len(directories), r.stdout + r.stderr
+    return paths

@@ -62,11 +62,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def world2(saved: dict[str, Any]) -> list[dict[str, Any]]:
     """A 2-rank job: saves DTensors sharded over its ranks (``sharded2``), then restores
-    every checkpoint into every layout, then the misuse checks."""
+    every checkpoint into every layout, then the misuse checks, then the DDP and FSDP2
+    restores of :func:`fsdp2` (one world for both: its start-up is most of its time)."""
     sources = {**saved["dirs"], "sharded2": sharded2(saved)}
-    return run_world("save_sharded+reshard+misuse", 2, saved["tmp"],
+    return run_world("save_sharded+reshard+misuse+fsdp", 2, saved["tmp"],
                      args={"dir": sources["sharded2"], "sources": sources,
-                           "source": saved["dirs"]["dtensor"]}, timeout=TIMEOUT)
+                           "source": saved["dirs"]["dtensor"], "plain": saved["dirs"]["plain"],
+                           "fsdp1": saved["dirs"]["fsdp1"]}, timeout=TIMEOUT)
 
 
 def sharded2(saved: dict[str, Any]) -> str:
@@ -83,10 +85,9 @@ def world4(saved: dict[str, Any], world2: list[dict[str, Any]]) -> list[dict[str
 
 
 @pytest.fixture(scope="module")
-def fsdp2(saved: dict[str, Any]) -> list[dict[str, Any]]:
-    return run_world("fsdp", 2, saved["tmp"],
-                     args={"plain": saved["dirs"]["plain"], "fsdp1": saved["dirs"]["fsdp1"]},
-                     timeout=TIMEOUT)
+def fsdp2(world2: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The world-1 checkpoints restored into DDP and FSDP2 models on 2 ranks (in world2)."""
+    return [r["fsdp"] for r in world2]
 
 
 # --------------------------------------------------------------------------- expectations
