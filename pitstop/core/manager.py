@@ -95,6 +95,7 @@ from .signals import (
     DEFAULT_SIGNALS,
     SignalSaver,
     check_signals,
+    child_signals_held,
     signal_name,
 )
 from .snapshot import StagingPool
@@ -1260,37 +1261,47 @@ class CheckpointManager:
         assert signum is not None and self._engine is not None
         name = signal_name(signum)
         try:
-            with self._api_lock:
-                handle = None
-                if step not in self._catalog.index and step not in self._engine.pending_steps():
-                    try:
-                        handle = self._save(step, state, metrics, block=True, periodic=False,
-                                            user_metadata=user_metadata)
-                    except CheckpointError as e:
-                        if name in CONTINUE_SIGNALS:
-                            raise
-                        log.error("pitstop: the save of step %d for %s could not be taken "
-                                  "(%s); exiting as the signal asks without it", step, name, e)
-            if name in CONTINUE_SIGNALS:
-                self.wait()
-                log.warning("pitstop: saved step %d after %s", step, name)
-                return handle
-            try:
-                self.wait()
-                log.warning("pitstop: saved step %d after %s", step, name)
-            except CheckpointError as e:
-                # the signal is still honoured: a loop that tolerates checkpoint errors must
-                # not train on after a preemption notice
-                log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
-                          "signal asks without it", step, name, e)
-            try:
-                self.close()
-            except CheckpointError as e:
-                log.error("pitstop: %s", e)
-            signals.exit_like(signum)
-            return handle
+            # a group signal kills a plain DataLoader's workers during this save: torch's
+            # SIGCHLD handler must not fail it
+            with child_signals_held():
+                return self._save_for_signal(signals, signum, name, step, state, metrics,
+                                             user_metadata)
         finally:
             signals.handling = None
+
+    def _save_for_signal(self, signals: SignalSaver, signum: int, name: str, step: int,
+                         state: Any, metrics: Mapping[str, Any] | None,
+                         user_metadata: Mapping[str, Any] | None) -> SaveHandle | None:
+        assert self._engine is not None
+        with self._api_lock:
+            handle = None
+            if step not in self._catalog.index and step not in self._engine.pending_steps():
+                try:
+                    handle = self._save(step, state, metrics, block=True, periodic=False,
+                                        user_metadata=user_metadata)
+                except CheckpointError as e:
+                    if name in CONTINUE_SIGNALS:
+                        raise
+                    log.error("pitstop: the save of step %d for %s could not be taken "
+                              "(%s); exiting as the signal asks without it", step, name, e)
+        if name in CONTINUE_SIGNALS:
+            self.wait()
+            log.warning("pitstop: saved step %d after %s", step, name)
+            return handle
+        try:
+            self.wait()
+            log.warning("pitstop: saved step %d after %s", step, name)
+        except CheckpointError as e:
+            # the signal is still honoured: a loop that tolerates checkpoint errors must
+            # not train on after a preemption notice
+            log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
+                      "signal asks without it", step, name, e)
+        try:
+            self.close()
+        except CheckpointError as e:
+            log.error("pitstop: %s", e)
+        signals.exit_like(signum)
+        return handle
 
     # ================================================================== several ranks
     def _announce(self, error: BaseException | None = None) -> None:

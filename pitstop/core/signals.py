@@ -12,13 +12,14 @@ previous handler is put back right after the fork.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 log = logging.getLogger("pitstop")
@@ -183,6 +184,40 @@ def check_signals(names: Iterable[str | int] | None) -> list[int]:
 _UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 
 
+@contextlib.contextmanager
+def child_signals_held() -> Iterator[None]:
+    """While a signal's save runs, hold back the program's own SIGCHLD handler (torch's
+    DataLoader has one that raises when a worker died of a signal): a signal sent to the
+    whole process group (Slurm, ``kill -TERM -PGID``) kills a plain DataLoader's workers
+    while their trainer saves, and that raise would fail a save that can still commit.
+
+    Left by KeyboardInterrupt or SystemExit (the process exits as the signal asks), the
+    handler stays held; otherwise it is put back and, after a normal return, called once if
+    SIGCHLD came meanwhile (the trainer learns of its workers now, as it would have). Main
+    thread only (elsewhere nothing is changed)."""
+    signum = getattr(signal, "SIGCHLD", None)
+    previous: Any = None
+    if signum is not None and threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, TypeError, OSError):
+            previous = signal.getsignal(signum)
+    if signum is None or not callable(previous) or \
+            previous in (signal.SIG_DFL, signal.SIG_IGN):
+        yield
+        return
+    came: list[int] = []
+    signal.signal(signum, lambda s, frame: came.append(s))
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise  # leaving: a dead worker no longer matters, and must not replace this exit
+    except BaseException:
+        signal.signal(signum, previous)
+        raise
+    signal.signal(signum, previous)
+    if came:
+        previous(signum, None)
+
+
 def _default_action(signum: int) -> None:
     if threading.current_thread() is not threading.main_thread():
         # only the main thread may change handlers: send the signal again; the main thread
@@ -202,4 +237,4 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = ["SignalSaver", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS", "signal_name",
-           "check_signals"]
+           "check_signals", "child_signals_held"]

@@ -471,3 +471,36 @@ def test_a_handle_cannot_be_waited_for_in_a_forked_child(tmp_path):
     """
     rc, out, err = _run_job(code, tmp_path / "ck")
     assert rc == 0 and "CHILD 42" in out, out + err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGCHLD"), reason="needs SIGCHLD")
+def test_a_sigchld_handler_waits_out_a_signals_save_and_is_put_back(tmp_path):
+    """torch's DataLoader raises from its SIGCHLD handler: held during a signal's save, then
+    put back and called once (after a save that trains on) for what came meanwhile."""
+    calls = []
+
+    def on_child(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGCHLD, on_child)
+
+    class StartsAChild:
+        def state_dict(self):
+            subprocess.run(["true"], check=True)  # its exit sends this process SIGCHLD
+            for _ in range(10):
+                time.sleep(0.005)  # Python runs signal handlers in between
+            seen.append(len(calls))
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    seen: list[int] = []
+    try:
+        with pitstop.CheckpointManager(tmp_path / "ck", memory_tier=False) as mgr:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert mgr.step(1, {"c": StartsAChild()}) is not None
+            assert seen == [0] and calls == [signal.SIGCHLD]
+            assert signal.getsignal(signal.SIGCHLD) is on_child
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
