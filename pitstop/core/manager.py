@@ -1273,6 +1273,7 @@ class CheckpointManager:
                          state: Any, metrics: Mapping[str, Any] | None,
                          user_metadata: Mapping[str, Any] | None) -> SaveHandle | None:
         assert self._engine is not None
+        taken = True  # False: this step's save could not even be started
         with self._api_lock:
             handle = None
             if step not in self._catalog.index and step not in self._engine.pending_steps():
@@ -1282,6 +1283,7 @@ class CheckpointManager:
                 except CheckpointError as e:
                     if name in CONTINUE_SIGNALS:
                         raise
+                    taken = False
                     log.error("pitstop: the save of step %d for %s could not be taken "
                               "(%s); exiting as the signal asks without it", step, name, e)
         if name in CONTINUE_SIGNALS:
@@ -1290,7 +1292,8 @@ class CheckpointManager:
             return handle
         try:
             self.wait()
-            log.warning("pitstop: saved step %d after %s", step, name)
+            if taken:
+                log.warning("pitstop: saved step %d after %s", step, name)
         except CheckpointError as e:
             # the signal is still honoured: a loop that tolerates checkpoint errors must
             # not train on after a preemption notice

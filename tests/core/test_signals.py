@@ -504,3 +504,20 @@ def test_a_sigchld_handler_waits_out_a_signals_save_and_is_put_back(tmp_path):
             assert signal.getsignal(signal.SIGCHLD) is on_child
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_signal_save_that_could_not_be_taken_is_not_reported_saved(tmp_path):
+    code = """
+        import os, signal, sys, numpy as np, pitstop
+        class Broken:
+            def state_dict(self):
+                raise RuntimeError("the capture fails")
+            def load_state_dict(self, state):
+                pass
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        os.kill(os.getpid(), signal.SIGTERM)
+        mgr.step(1, {"w": np.zeros(10), "b": Broken()})
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck")
+    assert rc == -signal.SIGTERM, out + err
+    assert "could not be taken" in err and "saved step 1" not in err, err
