@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from typing import Any
 
@@ -31,9 +32,15 @@ def report(event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "pid": os.getpid(), "time": time.time(), **fields},
                           default=str, separators=(",", ":")) + "\n"
         # no O_CREAT: only the supervisor makes the file; once it is gone, nothing is written.
-        # One write of a short line with O_APPEND: lines of several processes never interleave
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK)
+        # Nor through a symlink, nor to a FIFO or a device: a process that outlives its
+        # supervisor still names a path in its removed private directory, which anyone may
+        # fill. One write of a short line with O_APPEND: lines of several processes never
+        # interleave
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
+                     | getattr(os, "O_NOFOLLOW", 0))
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path} is not a regular file")
             os.write(fd, line.encode())
         finally:
             os.close(fd)
