@@ -22,6 +22,8 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from . import supervised
+
 log = logging.getLogger("pitstop")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
@@ -84,6 +86,14 @@ class SignalSaver:
         if signum in (self.pending, self.handling):
             if signal_name(signum) in CONTINUE_SIGNALS:
                 return  # a save for it is already requested or under way
+            if os.environ.get(supervised.ENV):
+                # under `pitstop run`, which forwards the stop signal that a scheduler
+                # (scancel, preemption, a time limit) also sends every process directly: the
+                # same request twice. The supervisor is the one to insist to (it SIGKILLs)
+                log.warning("pitstop: %s again (under pitstop run, a scheduler's and its "
+                            "forward of the same one): the save for it goes on; signal pitstop "
+                            "run again to kill the job at once", signal_name(signum))
+                return
             # asked twice: the user means it, act now (also while the first save persists)
             self.abandoned = True
             self.exit_like(signum)

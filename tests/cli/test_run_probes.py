@@ -4,10 +4,15 @@ probes). Real processes, real signals, real files."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from pitstop.core import supervised
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -34,3 +39,61 @@ def test_the_hook_writes_only_to_a_regular_file_it_does_not_reach_through_a_link
     monkeypatch.setenv(supervised.ENV, str(events))
     supervised.report("open", dir="/somewhere")
     assert b'"dir":"/somewhere"' in events.read_bytes()  # the real one still works
+
+
+#: a job that holds at step 3 until WORK/go exists; the directory is WORK/ckpt
+HOLDING_JOB = r'''
+import os, sys, time
+import numpy as np
+import pitstop
+work = sys.argv[1]
+state = {"w": np.zeros(8)}
+with pitstop.CheckpointManager(os.path.join(work, "ckpt"), save_every_steps=1000) as mgr:
+    for step in range(100):
+        state["w"] += 1
+        if step == 3:
+            print("ready", os.getpid(), flush=True)
+            while not os.path.exists(os.path.join(work, "go")):
+                time.sleep(0.01)
+        mgr.step(step, state)
+'''
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if k not in ("PITSTOP_DIR", "PITSTOP_SUPERVISOR")}
+    e.update(PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [e.get("PYTHONPATH")])]))
+    return e
+
+
+def read_until(stream, text: str, seen: list[str]) -> None:
+    for line in stream:
+        seen.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"no {text!r} in: {''.join(seen)}")
+
+
+def test_a_scheduler_signalling_every_process_still_gets_the_save(tmp_path):
+    """scancel, a preemption or a time limit SIGTERMs every process of the job: its
+    training process gets SIGTERM from Slurm and again from the supervisor's forward. The
+    second was taken for an insisting user: the job exited at once, nothing saved, 143."""
+    (tmp_path / "job.py").write_text(HOLDING_JOB)
+    p = subprocess.Popen([sys.executable, "-m", "pitstop.cli", "run", "--", sys.executable,
+                          str(tmp_path / "job.py"), str(tmp_path)], cwd=ROOT, env=env(),
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen: list[str] = []
+    try:
+        job = int(p.stdout.readline().split()[1])
+        os.kill(job, signal.SIGTERM)  # Slurm's, to the training process
+        read_until(p.stderr, "SIGTERM received; saving at the next step boundary", seen)
+        p.send_signal(signal.SIGTERM)  # Slurm's, to the supervisor: forwarded to the job
+        read_until(p.stderr, "pitstop: SIGTERM again", seen)
+        (tmp_path / "go").touch()
+        rest = p.communicate(timeout=60)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = "".join(seen) + rest
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "saved step 3 after SIGTERM" in err, err
+    assert (tmp_path / "ckpt" / "step_0000000003").is_dir(), err
