@@ -407,6 +407,8 @@ class Supervisor:
         #: the newest committed step before the current run (None: none or not known)
         self.before: int | None = None
         self.reported_restore = False
+        #: a manager in the current run found the directory locked by another writer
+        self.locked_out = False
         self.noted_other_dir = False
         self.events: Events | None = None
 
@@ -440,6 +442,7 @@ class Supervisor:
         while True:
             self.before = newest_step(self.directory)
             self.reported_restore = False
+            self.locked_out = False
             started = time.monotonic()
             try:
                 self.proc = self._start(events)
@@ -475,7 +478,9 @@ class Supervisor:
                 say(f"{how}; {newest}; status {returncode}{' (' + why + ')' if why else ''} "
                     "is one of --no-restart-on: not restarting it")
                 return status
-            if UNKNOWN not in (self.before, after):
+            if self.locked_out:  # the new steps there are another writer's
+                progress = False
+            elif UNKNOWN not in (self.before, after):
                 progress = after is not None and (self.before is None or after > self.before)
             else:  # no directory known, or it cannot be read here
                 progress = elapsed >= PROGRESS_SECONDS
@@ -656,6 +661,9 @@ class Supervisor:
             where = event.get("dir")
             if event.get("event") == "open" and isinstance(where, str):
                 self._opened(where)
+            elif event.get("event") == "locked_out" and isinstance(where, str) and \
+                    (self.directory is None or _same_dir(where, self.directory)):
+                self.locked_out = True
             elif event.get("event") == "restore" and not self.reported_restore:
                 self.reported_restore = True
                 step = event.get("step")

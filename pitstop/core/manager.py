@@ -64,6 +64,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DirectoryLockedError,
     IncompatibleTargetError,
     InvalidArgumentError,
     StepExistsError,
@@ -269,6 +270,9 @@ class CheckpointManager:
             try:
                 lock = wrap_os(self.storage.lock, self.directory)
             except BaseException as e:
+                if isinstance(e, DirectoryLockedError):
+                    # the steps another writer commits there are not this job's progress
+                    self._tell_supervisor("locked_out")
                 self._announce(error=e)
                 raise
             self._res = Resources(self._owner_pid, self.directory, lock=lock)

@@ -1,8 +1,9 @@
 """What a job tells ``pitstop run``: its checkpoint directory and the step it resumed from.
 
 ``pitstop run`` sets ``PITSTOP_SUPERVISOR`` to a file in a private temporary directory; a
-CheckpointManager opened in the job appends one JSON line to it when it opens its directory
-and one when it restores (the step, or null for a fresh start). Nothing else reads it.
+CheckpointManager opened in the job appends one JSON line to it when it opens its directory,
+one when it restores (the step, or null for a fresh start), and one when another writer
+holds the directory ("locked_out"). Nothing else reads it.
 Without that variable this costs one dictionary lookup; any error is swallowed (a debug
 log at most): reporting never fails or slows the manager.
 """

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +98,44 @@ def test_a_scheduler_signalling_every_process_still_gets_the_save(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "saved step 3 after SIGTERM" in err, err
     assert (tmp_path / "ckpt" / "step_0000000003").is_dir(), err
+
+
+def test_a_job_locked_out_by_another_writer_makes_no_progress(tmp_path, capfd, monkeypatch):
+    """A second `pitstop run` on a directory another job writes: its job fails at once with
+    DirectoryLockedError, while the directory's newest step grows (the other writer's).
+    That counted as progress: the back-off stayed at --backoff and the crash-loop rule never
+    stopped it (with --max-restarts -1: restarts forever)."""
+    import threading
+
+    import numpy as np
+
+    import pitstop
+    from pitstop.cli import main
+
+    for name in ("PITSTOP_DIR", "PITSTOP_SUPERVISOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    d = tmp_path / "ckpt"
+    done = threading.Event()
+    with pitstop.CheckpointManager(str(d), save_on_signals=None) as other:
+        def train() -> None:  # the other job: a new step every few milliseconds
+            step = 0
+            while not done.is_set():
+                other.save(step, {"w": np.zeros(4)}).wait()
+                step += 1
+                time.sleep(0.02)
+
+        t = threading.Thread(target=train)
+        t.start()
+        try:
+            status = main(["run", "--dir", str(d), "--backoff", "0", "--max-restarts", "2",
+                           "--crash-loop", "2", "--", sys.executable, "-c",
+                           f"import pitstop; pitstop.CheckpointManager({str(d)!r})"])
+        finally:
+            done.set()
+            t.join()
+    err = capfd.readouterr().err
+    assert status == 1, err
+    assert err.count("is in use by another writer") == 2, err
+    assert "crash loop: 2 failures in a row" in err, err
