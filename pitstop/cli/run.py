@@ -667,10 +667,11 @@ class Supervisor:
             elif event.get("event") == "restore" and not self.reported_restore:
                 self.reported_restore = True
                 step = event.get("step")
-                if isinstance(step, int) and self.before != UNKNOWN and \
-                        (self.before is None or step > self.before) \
+                if isinstance(step, int) and self.before != UNKNOWN \
                         and self.directory is not None and isinstance(where, str) and \
                         _same_dir(where, self.directory):
+                    # the run goes on from there: a step after it is progress, also one
+                    # below the newest seen before the run (found corrupt, moved aside)
                     self.before = step
                 if self.restarts:
                     say(f"restart {self.restarts} resumed from step {step}" if step is not None

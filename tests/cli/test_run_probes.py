@@ -139,3 +139,44 @@ def test_a_job_locked_out_by_another_writer_makes_no_progress(tmp_path, capfd, m
     assert status == 1, err
     assert err.count("is in use by another writer") == 2, err
     assert "crash loop: 2 failures in a row" in err, err
+
+
+#: run 0 commits steps 0 and 1; run 1 finds step 1 damaged (moved aside, resumes from 0),
+#: commits a new step 1; both die of SIGKILL; run 2 finishes
+CORRUPTED_JOB = r'''
+import glob, os, signal, numpy as np, pitstop
+d, run = os.environ["PITSTOP_DIR"], int(os.environ["PITSTOP_RESTART"])
+if run == 1:  # the newest checkpoint rotted on disk since
+    for f in glob.glob(os.path.join(d, "step_0000000001", "data-*.bin")):
+        with open(f, "r+b") as fh:
+            fh.write(b"\xff" * 8)
+with pitstop.CheckpointManager(d, save_every_steps=1, on_busy="wait") as mgr:
+    state = {"w": np.arange(100.0)}
+    start = mgr.restore(state)
+    start = 0 if start is None else start + 1
+    for step in range(start, 2):
+        mgr.step(step, state)
+    mgr.wait()
+    if run < 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_a_run_that_resumed_below_a_corrupt_newest_step_and_committed_made_progress(
+        tmp_path, capfd, monkeypatch):
+    """The newest step (1) found corrupt and moved aside: the run resumes from 0 and commits
+    a new step 1. The supervisor compared with the newest step before the run (1, the
+    corrupt one) and called it a failure without a new checkpoint (a false crash loop)."""
+    from pitstop.cli import main
+
+    for name in ("PITSTOP_DIR", "PITSTOP_SUPERVISOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    (tmp_path / "job.py").write_text(CORRUPTED_JOB)
+    status = main(["run", "--dir", str(tmp_path / "ckpt"), "--backoff", "0", "--crash-loop",
+                   "1", "--", sys.executable, str(tmp_path / "job.py")])
+    err = capfd.readouterr().err
+    assert "moved corrupt checkpoint step_0000000001 aside" in err, err
+    assert "restart 1 resumed from step 0" in err, err
+    assert status == 0, err
