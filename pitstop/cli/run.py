@@ -410,6 +410,9 @@ class Supervisor:
         #: a manager in the current run found the directory locked by another writer
         self.locked_out = False
         self.noted_other_dir = False
+        #: a directory the job opened that is not --dir; whether it opened --dir too
+        self.other_dir: str | None = None
+        self.opened_given = False
         self.events: Events | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -454,6 +457,7 @@ class Supervisor:
             # means: do not restart; it goes on to what is left of the job's group
             self._act_on_signals(self.proc.pid)
             self._read_events()
+            self._note_other_dir()
             self._clean_up_group(self.proc.pid)
             if self.stopping is not None:
                 say(f"job exited with {describe(returncode, killed=self.killed)} after "
@@ -664,12 +668,12 @@ class Supervisor:
             elif event.get("event") == "locked_out" and isinstance(where, str) and \
                     (self.directory is None or _same_dir(where, self.directory)):
                 self.locked_out = True
-            elif event.get("event") == "restore" and not self.reported_restore:
+            elif event.get("event") == "restore" and not self.reported_restore and \
+                    self.directory is not None and isinstance(where, str) and \
+                    _same_dir(where, self.directory):  # not another manager's (an EMA copy)
                 self.reported_restore = True
                 step = event.get("step")
-                if isinstance(step, int) and self.before != UNKNOWN \
-                        and self.directory is not None and isinstance(where, str) and \
-                        _same_dir(where, self.directory):
+                if isinstance(step, int) and self.before != UNKNOWN:
                     # the run goes on from there: a step after it is progress, also one
                     # below the newest seen before the run (found corrupt, moved aside)
                     self.before = step
@@ -684,8 +688,13 @@ class Supervisor:
         if self.directory is None:
             self.directory = where
             self.before = newest_step(where)
-        elif self.given_dir is not None and not _same_dir(where, self.directory) and \
-                not self.noted_other_dir:
+        elif _same_dir(where, self.directory):
+            self.opened_given = True
+        elif self.given_dir is not None and self.other_dir is None:
+            self.other_dir = where  # said once the run ended, if it never opened --dir
+
+    def _note_other_dir(self) -> None:
+        if self.other_dir is not None and not self.opened_given and not self.noted_other_dir:
             self.noted_other_dir = True
-            say(f"the job writes its checkpoints to {where}, not --dir {self.directory}; "
-                "reporting on --dir")
+            say(f"the job writes its checkpoints to {self.other_dir}, not --dir "
+                f"{self.directory}; reporting on --dir")

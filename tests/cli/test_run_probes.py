@@ -180,3 +180,30 @@ def test_a_run_that_resumed_below_a_corrupt_newest_step_and_committed_made_progr
     assert "moved corrupt checkpoint step_0000000001 aside" in err, err
     assert "restart 1 resumed from step 0" in err, err
     assert status == 0, err
+
+
+def test_the_resumed_step_is_the_one_of_the_supervised_directory(tmp_path, capfd,
+                                                                  monkeypatch):
+    """A job with a second manager (an EMA copy, another directory) that restores that one
+    first: the supervisor reported its step as the job's."""
+    import numpy as np
+
+    import pitstop
+    from pitstop.cli import main
+
+    for name in ("PITSTOP_DIR", "PITSTOP_SUPERVISOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    main_dir, ema_dir = tmp_path / "main", tmp_path / "ema"
+    for d, step in ((main_dir, 2), (ema_dir, 7)):
+        with pitstop.CheckpointManager(str(d), save_on_signals=None) as m:
+            m.save(step, {"w": np.zeros(2)})
+    job = ("import sys, numpy as np, pitstop\n"
+           "main, ema = (pitstop.CheckpointManager(d) for d in sys.argv[1:])\n"
+           "ema.restore({'w': np.zeros(2)}); main.restore({'w': np.zeros(2)})\n")
+    status = main(["run", "--dir", str(main_dir), "--", sys.executable, "-c", job,
+                   str(main_dir), str(ema_dir)])
+    err = capfd.readouterr().err
+    assert status == 0, err
+    assert "job resumed from step 2" in err and "step 7" not in err, err
