@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,9 @@ PROGRESS_SECONDS = 600.0
 LEFTOVER_WAIT = 1.0
 #: how often the supervisor looks at the job, its signals and its reports while it runs
 POLL = 0.05
+#: how long the supervisor waits for a read of the checkpoint directory, which only informs
+#: it: a stalled object store must not hold up the job's start (then: "not known")
+READ_TIMEOUT = 10.0
 
 #: received by the supervisor: forwarded to the job's group, and the job is not restarted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -414,6 +418,8 @@ class Supervisor:
         self.other_dir: str | None = None
         self.opened_given = False
         self.events: Events | None = None
+        #: a read of the directory that did not answer within READ_TIMEOUT (still running)
+        self.stalled_read: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -443,7 +449,7 @@ class Supervisor:
         failures = 0  # in a row, without a new committed step
         backoff = self.initial_backoff
         while True:
-            self.before = newest_step(self.directory)
+            self.before = self._newest(self.directory)
             self.reported_restore = False
             self.locked_out = False
             started = time.monotonic()
@@ -469,7 +475,7 @@ class Supervisor:
                         f"restart{'s' if self.restarts > 1 else ''}")
                 return 0
             status = exit_status(returncode)
-            after = newest_step(self.directory)
+            after = self._newest(self.directory)
             newest = self._newest_text(after)
             how = f"job exited with {describe(returncode)} after {seconds(elapsed)}"
             if -returncode in CLEAN_SIGNALS:
@@ -515,11 +521,31 @@ class Supervisor:
                     "not restarting it")
                 return 128 + stop
 
+    def _newest(self, directory: str | None) -> int | None:
+        """:func:`newest_step`, given up on after READ_TIMEOUT seconds (UNKNOWN), and not
+        asked again while a read that stalled is still under way."""
+        if directory is None:
+            return UNKNOWN
+        if self.stalled_read is not None:
+            if self.stalled_read.is_alive():
+                return UNKNOWN
+            self.stalled_read = None
+        got: list[int | None] = []
+        reader = threading.Thread(target=lambda: got.append(newest_step(directory)),
+                                  name="pitstop-run-read", daemon=True)
+        reader.start()
+        reader.join(READ_TIMEOUT)
+        if reader.is_alive():
+            self.stalled_read = reader
+            return UNKNOWN
+        return got[0] if got else UNKNOWN
+
     def _newest_text(self, step: int | None) -> str:
         if self.directory is None:
             return "newest checkpoint: not known (no --dir, none reported by the job)"
         if step == UNKNOWN:
-            return f"newest checkpoint: not known ({self.directory} cannot be read here)"
+            why = f": no answer within {READ_TIMEOUT:g} s" if self.stalled_read else ""
+            return f"newest checkpoint: not known ({self.directory} cannot be read here{why})"
         return f"newest checkpoint: step {step}" if step is not None else \
             "no committed checkpoint yet"
 
@@ -687,7 +713,7 @@ class Supervisor:
     def _opened(self, where: str) -> None:
         if self.directory is None:
             self.directory = where
-            self.before = newest_step(where)
+            self.before = self._newest(where)
         elif _same_dir(where, self.directory):
             self.opened_given = True
         elif self.given_dir is not None and self.other_dir is None:

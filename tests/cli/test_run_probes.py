@@ -207,3 +207,40 @@ def test_the_resumed_step_is_the_one_of_the_supervised_directory(tmp_path, capfd
     err = capfd.readouterr().err
     assert status == 0, err
     assert "job resumed from step 2" in err and "step 7" not in err, err
+
+
+def test_a_stalled_object_store_does_not_hold_up_the_job(tmp_path, capfd, monkeypatch):
+    """--dir on an object store whose endpoint accepts connections and never answers: the
+    supervisor's informational read of the newest step blocked before the job's start
+    (botocore's timeouts and retries: many minutes). It gives up on it now, as 'cannot be
+    read here'."""
+    import socket
+
+    from pitstop.cli import main, run
+
+    for name in ("PITSTOP_DIR", "PITSTOP_SUPERVISOR"):
+        monkeypatch.delenv(name, raising=False)
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(64)  # connections complete in the backlog; no request is ever answered
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{stalled.getsockname()[1]}")
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(run, "READ_TIMEOUT", 0.5)
+
+    def too_long(signum, frame):
+        raise TimeoutError("pitstop run waited for the stalled store")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)  # the bound of a failure
+    try:
+        status = main(["run", "--dir", "s3://bucket/run", "--max-restarts", "0", "--",
+                       "sh", "-c", f"touch {tmp_path / 'started'}; exit 3"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        stalled.close()
+    err = capfd.readouterr().err
+    assert status == 3 and (tmp_path / "started").exists(), err
+    assert "not known (s3://bucket/run cannot be read here" in err, err
