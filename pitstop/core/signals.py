@@ -86,13 +86,16 @@ class SignalSaver:
         if signum in (self.pending, self.handling):
             if signal_name(signum) in CONTINUE_SIGNALS:
                 return  # a save for it is already requested or under way
-            if os.environ.get(supervised.ENV):
-                # under `pitstop run`, which forwards the stop signal that a scheduler
-                # (scancel, preemption, a time limit) also sends every process directly: the
-                # same request twice. The supervisor is the one to insist to (it SIGKILLs)
-                log.warning("pitstop: %s again (under pitstop run, a scheduler's and its "
-                            "forward of the same one): the save for it goes on; signal pitstop "
-                            "run again to kill the job at once", signal_name(signum))
+            launcher = _forwarding_launcher()
+            if launcher is not None:
+                # a launcher forwards the stop signal that a scheduler (scancel, a preemption,
+                # a time limit) also sends every process directly: the same request twice.
+                # The launcher is the one to insist to (it kills its job)
+                log.warning("pitstop: %s again, under %s (a scheduler signals every process, "
+                            "and %s forwards it too): the same request; the save for it goes "
+                            "on (%s stops the job at once)", signal_name(signum), launcher,
+                            launcher, "signalling pitstop run again" if launcher ==
+                            "pitstop run" else "SIGKILL")
                 return
             # asked twice: the user means it, act now (also while the first save persists)
             self.abandoned = True
@@ -159,6 +162,16 @@ class SignalSaver:
                     signal.signal(signum, previous)
             except (ValueError, TypeError):
                 pass
+
+
+def _forwarding_launcher() -> str | None:
+    """The launcher this process runs under that forwards stop signals to it, and kills it
+    on its own when asked again: ``pitstop run`` or torchrun (None: neither)."""
+    if os.environ.get(supervised.ENV):
+        return "pitstop run"
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    return None
 
 
 def check_signals(names: Iterable[str | int] | None) -> list[int]:

@@ -88,7 +88,7 @@ def test_a_scheduler_signalling_every_process_still_gets_the_save(tmp_path):
         os.kill(job, signal.SIGTERM)  # Slurm's, to the training process
         read_until(p.stderr, "SIGTERM received; saving at the next step boundary", seen)
         p.send_signal(signal.SIGTERM)  # Slurm's, to the supervisor: forwarded to the job
-        read_until(p.stderr, "pitstop: SIGTERM again", seen)
+        read_until(p.stderr, "pitstop: SIGTERM again, under pitstop run", seen)
         (tmp_path / "go").touch()
         rest = p.communicate(timeout=60)[1]
     finally:

@@ -521,3 +521,26 @@ def test_a_signal_save_that_could_not_be_taken_is_not_reported_saved(tmp_path):
     rc, out, err = _run_job(code, tmp_path / "ck")
     assert rc == -signal.SIGTERM, out + err
     assert "could not be taken" in err and "saved step 1" not in err, err
+
+
+def test_under_torchrun_the_same_stop_signal_twice_still_saves(tmp_path):
+    """scancel or a preemption SIGTERMs every process of a torchrun job, and torchrun
+    forwards its own SIGTERM to the workers too: each worker got it twice and exited at once
+    without its save (seen with a real torchrun). torchrun marks its workers'
+    environment; it kills them on its own when it is asked again."""
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        os.kill(os.getpid(), signal.SIGTERM)   # the scheduler's
+        os.kill(os.getpid(), signal.SIGTERM)   # torchrun's forward of its own
+        time.sleep(0.05)
+        mgr.step(1, {"w": np.zeros(10)})
+        print("NOT REACHED", flush=True)
+    """
+    p = subprocess.run([PY, "-c", textwrap.dedent(code), str(tmp_path / "ck")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, TORCHELASTIC_RUN_ID="job-1"))
+    assert p.returncode == -signal.SIGTERM, p.stdout + p.stderr
+    assert "NOT REACHED" not in p.stdout
+    assert "SIGTERM again, under torchrun" in p.stderr, p.stderr
+    assert committed_steps(tmp_path / "ck") == [1], p.stderr
