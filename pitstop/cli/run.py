@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,9 @@ PROGRESS_SECONDS = 600.0
 LEFTOVER_WAIT = 1.0
 #: how often the supervisor looks at the job, its signals and its reports while it runs
 POLL = 0.05
+#: how long the supervisor waits for a read of the checkpoint directory, which only informs
+#: it: a stalled object store must not hold up the job's start (then: "not known")
+READ_TIMEOUT = 10.0
 
 #: received by the supervisor: forwarded to the job's group, and the job is not restarted
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -407,8 +411,15 @@ class Supervisor:
         #: the newest committed step before the current run (None: none or not known)
         self.before: int | None = None
         self.reported_restore = False
+        #: a manager in the current run found the directory locked by another writer
+        self.locked_out = False
         self.noted_other_dir = False
+        #: a directory the job opened that is not --dir; whether it opened --dir too
+        self.other_dir: str | None = None
+        self.opened_given = False
         self.events: Events | None = None
+        #: a read of the directory that did not answer within READ_TIMEOUT (still running)
+        self.stalled_read: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -438,8 +449,9 @@ class Supervisor:
         failures = 0  # in a row, without a new committed step
         backoff = self.initial_backoff
         while True:
-            self.before = newest_step(self.directory)
+            self.before = self._newest(self.directory)
             self.reported_restore = False
+            self.locked_out = False
             started = time.monotonic()
             try:
                 self.proc = self._start(events)
@@ -451,6 +463,7 @@ class Supervisor:
             # means: do not restart; it goes on to what is left of the job's group
             self._act_on_signals(self.proc.pid)
             self._read_events()
+            self._note_other_dir()
             self._clean_up_group(self.proc.pid)
             if self.stopping is not None:
                 say(f"job exited with {describe(returncode, killed=self.killed)} after "
@@ -462,7 +475,7 @@ class Supervisor:
                         f"restart{'s' if self.restarts > 1 else ''}")
                 return 0
             status = exit_status(returncode)
-            after = newest_step(self.directory)
+            after = self._newest(self.directory)
             newest = self._newest_text(after)
             how = f"job exited with {describe(returncode)} after {seconds(elapsed)}"
             if -returncode in CLEAN_SIGNALS:
@@ -475,7 +488,9 @@ class Supervisor:
                 say(f"{how}; {newest}; status {returncode}{' (' + why + ')' if why else ''} "
                     "is one of --no-restart-on: not restarting it")
                 return status
-            if UNKNOWN not in (self.before, after):
+            if self.locked_out:  # the new steps there are another writer's
+                progress = False
+            elif UNKNOWN not in (self.before, after):
                 progress = after is not None and (self.before is None or after > self.before)
             else:  # no directory known, or it cannot be read here
                 progress = elapsed >= PROGRESS_SECONDS
@@ -506,11 +521,31 @@ class Supervisor:
                     "not restarting it")
                 return 128 + stop
 
+    def _newest(self, directory: str | None) -> int | None:
+        """:func:`newest_step`, given up on after READ_TIMEOUT seconds (UNKNOWN), and not
+        asked again while a read that stalled is still under way."""
+        if directory is None:
+            return UNKNOWN
+        if self.stalled_read is not None:
+            if self.stalled_read.is_alive():
+                return UNKNOWN
+            self.stalled_read = None
+        got: list[int | None] = []
+        reader = threading.Thread(target=lambda: got.append(newest_step(directory)),
+                                  name="pitstop-run-read", daemon=True)
+        reader.start()
+        reader.join(READ_TIMEOUT)
+        if reader.is_alive():
+            self.stalled_read = reader
+            return UNKNOWN
+        return got[0] if got else UNKNOWN
+
     def _newest_text(self, step: int | None) -> str:
         if self.directory is None:
             return "newest checkpoint: not known (no --dir, none reported by the job)"
         if step == UNKNOWN:
-            return f"newest checkpoint: not known ({self.directory} cannot be read here)"
+            why = f": no answer within {READ_TIMEOUT:g} s" if self.stalled_read else ""
+            return f"newest checkpoint: not known ({self.directory} cannot be read here{why})"
         return f"newest checkpoint: step {step}" if step is not None else \
             "no committed checkpoint yet"
 
@@ -656,13 +691,17 @@ class Supervisor:
             where = event.get("dir")
             if event.get("event") == "open" and isinstance(where, str):
                 self._opened(where)
-            elif event.get("event") == "restore" and not self.reported_restore:
+            elif event.get("event") == "locked_out" and isinstance(where, str) and \
+                    (self.directory is None or _same_dir(where, self.directory)):
+                self.locked_out = True
+            elif event.get("event") == "restore" and not self.reported_restore and \
+                    self.directory is not None and isinstance(where, str) and \
+                    _same_dir(where, self.directory):  # not another manager's (an EMA copy)
                 self.reported_restore = True
                 step = event.get("step")
-                if isinstance(step, int) and self.before != UNKNOWN and \
-                        (self.before is None or step > self.before) \
-                        and self.directory is not None and isinstance(where, str) and \
-                        _same_dir(where, self.directory):
+                if isinstance(step, int) and self.before != UNKNOWN:
+                    # the run goes on from there: a step after it is progress, also one
+                    # below the newest seen before the run (found corrupt, moved aside)
                     self.before = step
                 if self.restarts:
                     say(f"restart {self.restarts} resumed from step {step}" if step is not None
@@ -674,9 +713,14 @@ class Supervisor:
     def _opened(self, where: str) -> None:
         if self.directory is None:
             self.directory = where
-            self.before = newest_step(where)
-        elif self.given_dir is not None and not _same_dir(where, self.directory) and \
-                not self.noted_other_dir:
+            self.before = self._newest(where)
+        elif _same_dir(where, self.directory):
+            self.opened_given = True
+        elif self.given_dir is not None and self.other_dir is None:
+            self.other_dir = where  # said once the run ended, if it never opened --dir
+
+    def _note_other_dir(self) -> None:
+        if self.other_dir is not None and not self.opened_given and not self.noted_other_dir:
             self.noted_other_dir = True
-            say(f"the job writes its checkpoints to {where}, not --dir {self.directory}; "
-                "reporting on --dir")
+            say(f"the job writes its checkpoints to {self.other_dir}, not --dir "
+                f"{self.directory}; reporting on --dir")

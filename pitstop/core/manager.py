@@ -64,6 +64,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DirectoryLockedError,
     IncompatibleTargetError,
     InvalidArgumentError,
     StepExistsError,
@@ -95,6 +96,7 @@ from .signals import (
     DEFAULT_SIGNALS,
     SignalSaver,
     check_signals,
+    child_signals_held,
     signal_name,
 )
 from .snapshot import StagingPool
@@ -268,6 +270,9 @@ class CheckpointManager:
             try:
                 lock = wrap_os(self.storage.lock, self.directory)
             except BaseException as e:
+                if isinstance(e, DirectoryLockedError):
+                    # the steps another writer commits there are not this job's progress
+                    self._tell_supervisor("locked_out")
                 self._announce(error=e)
                 raise
             self._res = Resources(self._owner_pid, self.directory, lock=lock)
@@ -1260,37 +1265,50 @@ class CheckpointManager:
         assert signum is not None and self._engine is not None
         name = signal_name(signum)
         try:
-            with self._api_lock:
-                handle = None
-                if step not in self._catalog.index and step not in self._engine.pending_steps():
-                    try:
-                        handle = self._save(step, state, metrics, block=True, periodic=False,
-                                            user_metadata=user_metadata)
-                    except CheckpointError as e:
-                        if name in CONTINUE_SIGNALS:
-                            raise
-                        log.error("pitstop: the save of step %d for %s could not be taken "
-                                  "(%s); exiting as the signal asks without it", step, name, e)
-            if name in CONTINUE_SIGNALS:
-                self.wait()
-                log.warning("pitstop: saved step %d after %s", step, name)
-                return handle
-            try:
-                self.wait()
-                log.warning("pitstop: saved step %d after %s", step, name)
-            except CheckpointError as e:
-                # the signal is still honoured: a loop that tolerates checkpoint errors must
-                # not train on after a preemption notice
-                log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
-                          "signal asks without it", step, name, e)
-            try:
-                self.close()
-            except CheckpointError as e:
-                log.error("pitstop: %s", e)
-            signals.exit_like(signum)
-            return handle
+            # a group signal kills a plain DataLoader's workers during this save: torch's
+            # SIGCHLD handler must not fail it
+            with child_signals_held():
+                return self._save_for_signal(signals, signum, name, step, state, metrics,
+                                             user_metadata)
         finally:
             signals.handling = None
+
+    def _save_for_signal(self, signals: SignalSaver, signum: int, name: str, step: int,
+                         state: Any, metrics: Mapping[str, Any] | None,
+                         user_metadata: Mapping[str, Any] | None) -> SaveHandle | None:
+        assert self._engine is not None
+        taken = True  # False: this step's save could not even be started
+        with self._api_lock:
+            handle = None
+            if step not in self._catalog.index and step not in self._engine.pending_steps():
+                try:
+                    handle = self._save(step, state, metrics, block=True, periodic=False,
+                                        user_metadata=user_metadata)
+                except CheckpointError as e:
+                    if name in CONTINUE_SIGNALS:
+                        raise
+                    taken = False
+                    log.error("pitstop: the save of step %d for %s could not be taken "
+                              "(%s); exiting as the signal asks without it", step, name, e)
+        if name in CONTINUE_SIGNALS:
+            self.wait()
+            log.warning("pitstop: saved step %d after %s", step, name)
+            return handle
+        try:
+            self.wait()
+            if taken:
+                log.warning("pitstop: saved step %d after %s", step, name)
+        except CheckpointError as e:
+            # the signal is still honoured: a loop that tolerates checkpoint errors must
+            # not train on after a preemption notice
+            log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
+                      "signal asks without it", step, name, e)
+        try:
+            self.close()
+        except CheckpointError as e:
+            log.error("pitstop: %s", e)
+        signals.exit_like(signum)
+        return handle
 
     # ================================================================== several ranks
     def _announce(self, error: BaseException | None = None) -> None:

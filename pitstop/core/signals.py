@@ -12,14 +12,17 @@ previous handler is put back right after the fork.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from . import supervised
 
 log = logging.getLogger("pitstop")
 
@@ -83,6 +86,17 @@ class SignalSaver:
         if signum in (self.pending, self.handling):
             if signal_name(signum) in CONTINUE_SIGNALS:
                 return  # a save for it is already requested or under way
+            launcher = _forwarding_launcher()
+            if launcher is not None:
+                # a launcher forwards the stop signal that a scheduler (scancel, a preemption,
+                # a time limit) also sends every process directly: the same request twice.
+                # The launcher is the one to insist to (it kills its job)
+                log.warning("pitstop: %s again, under %s (a scheduler signals every process, "
+                            "and %s forwards it too): the same request; the save for it goes "
+                            "on (%s stops the job at once)", signal_name(signum), launcher,
+                            launcher, "signalling pitstop run again" if launcher ==
+                            "pitstop run" else "SIGKILL")
+                return
             # asked twice: the user means it, act now (also while the first save persists)
             self.abandoned = True
             self.exit_like(signum)
@@ -162,6 +176,16 @@ def _unretired(signum: int, handler: Any) -> Any:
     return handler
 
 
+def _forwarding_launcher() -> str | None:
+    """The launcher this process runs under that forwards stop signals to it, and kills it
+    on its own when asked again: ``pitstop run`` or torchrun (None: neither)."""
+    if os.environ.get(supervised.ENV):
+        return "pitstop run"
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    return None
+
+
 def check_signals(names: Iterable[str | int] | None) -> list[int]:
     """The signal numbers of ``save_on_signals``, every one checked before any is installed:
     known, and one a handler can catch (not SIGKILL or SIGSTOP)."""
@@ -195,6 +219,40 @@ def check_signals(names: Iterable[str | int] | None) -> list[int]:
 _UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 
 
+@contextlib.contextmanager
+def child_signals_held() -> Iterator[None]:
+    """While a signal's save runs, hold back the program's own SIGCHLD handler (torch's
+    DataLoader has one that raises when a worker died of a signal): a signal sent to the
+    whole process group (Slurm, ``kill -TERM -PGID``) kills a plain DataLoader's workers
+    while their trainer saves, and that raise would fail a save that can still commit.
+
+    Left by KeyboardInterrupt or SystemExit (the process exits as the signal asks), the
+    handler stays held; otherwise it is put back and, after a normal return, called once if
+    SIGCHLD came meanwhile (the trainer learns of its workers now, as it would have). Main
+    thread only (elsewhere nothing is changed)."""
+    signum = getattr(signal, "SIGCHLD", None)
+    previous: Any = None
+    if signum is not None and threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, TypeError, OSError):
+            previous = signal.getsignal(signum)
+    if signum is None or not callable(previous) or \
+            previous in (signal.SIG_DFL, signal.SIG_IGN):
+        yield
+        return
+    came: list[int] = []
+    signal.signal(signum, lambda s, frame: came.append(s))
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise  # leaving: a dead worker no longer matters, and must not replace this exit
+    except BaseException:
+        signal.signal(signum, previous)
+        raise
+    signal.signal(signum, previous)
+    if came:
+        previous(signum, None)
+
+
 def _default_action(signum: int) -> None:
     if threading.current_thread() is not threading.main_thread():
         # only the main thread may change handlers: send the signal again; the main thread
@@ -214,4 +272,4 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = ["SignalSaver", "DEFAULT_SIGNALS", "CONTINUE_SIGNALS", "signal_name",
-           "check_signals"]
+           "check_signals", "child_signals_held"]

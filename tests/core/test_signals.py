@@ -491,3 +491,76 @@ def test_a_handle_cannot_be_waited_for_in_a_forked_child(tmp_path):
     """
     rc, out, err = _run_job(code, tmp_path / "ck")
     assert rc == 0 and "CHILD 42" in out, out + err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGCHLD"), reason="needs SIGCHLD")
+def test_a_sigchld_handler_waits_out_a_signals_save_and_is_put_back(tmp_path):
+    """torch's DataLoader raises from its SIGCHLD handler: held during a signal's save, then
+    put back and called once (after a save that trains on) for what came meanwhile."""
+    calls = []
+
+    def on_child(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGCHLD, on_child)
+
+    class StartsAChild:
+        def state_dict(self):
+            subprocess.run(["true"], check=True)  # its exit sends this process SIGCHLD
+            for _ in range(10):
+                time.sleep(0.005)  # Python runs signal handlers in between
+            seen.append(len(calls))
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    seen: list[int] = []
+    try:
+        with pitstop.CheckpointManager(tmp_path / "ck", memory_tier=False) as mgr:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert mgr.step(1, {"c": StartsAChild()}) is not None
+            assert seen == [0] and calls == [signal.SIGCHLD]
+            assert signal.getsignal(signal.SIGCHLD) is on_child
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_signal_save_that_could_not_be_taken_is_not_reported_saved(tmp_path):
+    code = """
+        import os, signal, sys, numpy as np, pitstop
+        class Broken:
+            def state_dict(self):
+                raise RuntimeError("the capture fails")
+            def load_state_dict(self, state):
+                pass
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        os.kill(os.getpid(), signal.SIGTERM)
+        mgr.step(1, {"w": np.zeros(10), "b": Broken()})
+    """
+    rc, out, err = _run_job(code, tmp_path / "ck")
+    assert rc == -signal.SIGTERM, out + err
+    assert "could not be taken" in err and "saved step 1" not in err, err
+
+
+def test_under_torchrun_the_same_stop_signal_twice_still_saves(tmp_path):
+    """scancel or a preemption SIGTERMs every process of a torchrun job, and torchrun
+    forwards its own SIGTERM to the workers too: each worker got it twice and exited at once
+    without its save (seen with a real torchrun). torchrun marks its workers'
+    environment; it kills them on its own when it is asked again."""
+    code = """
+        import os, signal, sys, time, numpy as np, pitstop
+        mgr = pitstop.CheckpointManager(sys.argv[1], memory_tier=False)
+        os.kill(os.getpid(), signal.SIGTERM)   # the scheduler's
+        os.kill(os.getpid(), signal.SIGTERM)   # torchrun's forward of its own
+        time.sleep(0.05)
+        mgr.step(1, {"w": np.zeros(10)})
+        print("NOT REACHED", flush=True)
+    """
+    p = subprocess.run([PY, "-c", textwrap.dedent(code), str(tmp_path / "ck")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, TORCHELASTIC_RUN_ID="job-1"))
+    assert p.returncode == -signal.SIGTERM, p.stdout + p.stderr
+    assert "NOT REACHED" not in p.stdout
+    assert "SIGTERM again, under torchrun" in p.stderr, p.stderr
+    assert committed_steps(tmp_path / "ck") == [1], p.stderr

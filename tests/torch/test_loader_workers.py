@@ -445,3 +445,57 @@ def test_the_worker_death_hint_fits_what_the_process_used(monkeypatch):
     known = _workers.worker_death_hint(died)
     assert "could not be protected" in known and "pid 7" in known
     assert "Use pitstop.adapters.torch.ResumableLoader" not in known
+
+
+_WORKER_DIES_DURING_THE_SAVE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import pitstop
+
+    class KillsAWorker:
+        # taken inside the signal's save: the worker's share of the group SIGTERM lands then
+        pid = None
+        def state_dict(self):
+            if self.pid is not None:
+                # from another process, as Slurm's: a worker obeys its parent's SIGTERM
+                subprocess.run(["kill", "-TERM", str(self.pid)], check=True)
+                stat = f"/proc/{self.pid}/stat"
+                while open(stat).read().rsplit(")", 1)[1].split()[0] != "Z":
+                    time.sleep(0.01)          # until the trainer's SIGCHLD has come
+                for _ in range(20):
+                    time.sleep(0.01)          # Python runs signal handlers in between
+            return {"n": 1}
+        def load_state_dict(self, state):
+            pass
+
+    model, killer = torch.nn.Linear(4, 1), KillsAWorker()
+    it = iter(DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4, num_workers=2))
+    with pitstop.CheckpointManager(sys.argv[1], memory_tier=False,
+                                   save_every_steps=1000) as mgr:
+        for step, (x,) in enumerate(it):
+            if step == 3:
+                killer.pid = it._workers[0].pid
+                os.kill(os.getpid(), signal.SIGTERM)   # the trainer's share of it
+            mgr.step(step, {"model": model, "killer": killer})
+""")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGCHLD"), reason="needs SIGCHLD")
+def test_a_plain_dataloader_worker_dying_during_the_signals_save_does_not_fail_it(tmp_path):
+    """The trainer reached the step boundary and saves for a group SIGTERM when its plain
+    DataLoader's worker dies of the same signal: torch's SIGCHLD handler raised inside the
+    save (or its wait), the job exited 1 with a traceback, or without its save. The save
+    must commit and the job exit as the signal asks."""
+    # stderr to a file: the other worker, which holds a pipe until it sees its parent gone
+    # (within 5 s), is not waited for
+    with open(tmp_path / "stderr.txt", "wb") as f:
+        p = subprocess.run([sys.executable, "-c", _WORKER_DIES_DURING_THE_SAVE,
+                            str(tmp_path / "ck")], stdout=subprocess.DEVNULL, stderr=f,
+                           timeout=120, env=child_env(), stdin=subprocess.DEVNULL)
+    err = (tmp_path / "stderr.txt").read_text()
+    seen = f"exit {p.returncode}\nstderr: {err}"
+    assert p.returncode == -signal.SIGTERM, seen
+    assert "DataLoader worker" not in err, seen
+    assert "saved step 3 after SIGTERM" in err, seen
+    assert (tmp_path / "ck" / "step_0000000003").is_dir(), seen
