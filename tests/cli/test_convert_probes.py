@@ -1,0 +1,91 @@
+"""`pitstop diff`, `export` and `import` used the way torch.save / DCP / tf.train / Orbax users
+use them, and misuse them: each test here is a defect a user met (see its docstring)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import pitstop
+from pitstop.cli import main
+from pitstop.core.coordination import CoordinationError, Coordinator
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+class _Hub:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cond = threading.Condition()
+        self.rounds: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
+
+
+class _Threads(Coordinator):
+    """Ranks as threads of this process (the real coordinators are tested with real
+    processes in tests/torch/test_distributed.py)."""
+
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank, self.world_size, self.timeout_s = hub, rank, hub.n, 20.0
+        self.seq = {"control": 0, "persist": 0}
+
+    def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list[bytes]:
+        key = (channel, self.seq[channel])
+        self.seq[channel] += 1
+        hub = self.hub
+        with hub.cond:
+            hub.rounds[key][self.rank] = data
+            hub.cond.notify_all()
+            if not hub.cond.wait_for(lambda: len(hub.rounds[key]) == hub.n, self.timeout_s):
+                raise CoordinationError(f"{what}: rank {self.rank} timed out")
+            return [hub.rounds[key][r] for r in range(hub.n)]
+
+
+def _save_ranks(d: Path, n: int, state_of: Any, step: int = 1) -> None:
+    """One checkpoint saved by ``n`` ranks (threads), rank r saving ``state_of(r)``."""
+    hub = _Hub(n)
+
+    def job(rank: int) -> None:
+        with pitstop.CheckpointManager(d, distributed=_Threads(hub, rank), async_save=False,
+                                       save_on_signals=None, memory_tier=False) as mgr:
+            mgr.save(step, state_of(rank)).wait()
+
+    with ThreadPoolExecutor(n) as pool:
+        for f in [pool.submit(job, r) for r in range(n)]:
+            f.result(timeout=60)
+
+
+def test_diff_compares_every_ranks_own_state(tmp_path, capsys):
+    """A user diffed two 2-rank checkpoints whose rank 1 held different per-rank state (its
+    RNG stream, its sampler position): `pitstop diff` said "identical", exit 0, because it
+    compared rank 0's view only."""
+    _save_ranks(tmp_path / "a", 2, lambda r: {"w": np.ones(4), "mine": np.full(3, r),
+                                              "info": {"pos": r}})
+    _save_ranks(tmp_path / "b", 2, lambda r: {"w": np.ones(4), "mine": np.full(3, 5 * r),
+                                              "info": {"pos": 5 * r}})
+    rc, out, err = run(capsys, "diff", tmp_path / "a", tmp_path / "a")
+    assert (rc, err) == (0, "") and out.rstrip().endswith("identical")
+    rc, out, err = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert (rc, err) == (1, ""), out + err
+    assert "differs: mine (rank 1) (int64 [3]): 3 of 3 elements (100%), max abs 4" in out
+    assert "value: info (rank 1): {\"pos\":1} -> {\"pos\":5}" in out
+    rc, out, err = run(capsys, "diff", tmp_path / "a", tmp_path / "b", "--json")
+    doc = json.loads(out)
+    assert [a["key"] for a in doc["arrays"]] == ["mine (rank 1)"]
+    assert doc["ranks"] == {"a": 2, "b": 2}
+    # one rank's save of rank 0's state: not the same checkpoint
+    with pitstop.CheckpointManager(tmp_path / "c", async_save=False, save_on_signals=None,
+                                   memory_tier=False) as mgr:
+        mgr.save(1, {"w": np.ones(4), "mine": np.full(3, 0), "info": {"pos": 0}}).wait()
+    rc, out, err = run(capsys, "diff", tmp_path / "a", tmp_path / "c")
+    assert (rc, err) == (1, "") and "ranks: A was written by 2, B by 1" in out, out
+    assert out.rstrip().endswith("different: 1 different number of ranks")
