@@ -452,6 +452,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     where = storage.path_of(name)
     run = os.path.basename(storage.location.rstrip("/")) or "checkpoint"
     out = args.output or f"{run}-step{step}{_EXT[fmt]}"
+    _outside_run(out, storage.location)
     if fmt != "orbax":
         if os.path.isdir(out):
             raise cli.CliError(f"{out}: a directory; give the file to write with -o")
@@ -468,6 +469,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {count} arrays ({cli.human_size(nbytes)}) of step {step} of "
           f"{storage.location} to {out} ({fmt})")
     return 0
+
+
+def _outside_run(out: str, run: str) -> None:
+    """Refuse an OUT that is the run directory or inside one of its checkpoints (or its
+    ``.pitstop`` folder): written there, the export would replace the files of the very
+    checkpoint it reads, or leave a foreign file inside a committed checkpoint."""
+    if "://" in run:
+        return
+    cli = _cli()
+    root = os.path.realpath(run)
+    # the folder resolved, the name not: a link named OUT is replaced, never its target
+    where = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(out))),
+                         os.path.basename(os.path.abspath(out)))
+    try:
+        rel = os.path.relpath(where, root)
+    except ValueError:  # another drive
+        return
+    parts = rel.split(os.sep)
+    if rel == "." or (parts[0] != ".." and len(parts) > 1):
+        raise cli.CliError(f"{out}: the run directory {run} or inside its checkpoints; "
+                           "give -o a path outside it (inside the run directory, only "
+                           "beside its checkpoints)")
 
 
 def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | None,

@@ -89,3 +89,26 @@ def test_diff_compares_every_ranks_own_state(tmp_path, capsys):
     rc, out, err = run(capsys, "diff", tmp_path / "a", tmp_path / "c")
     assert (rc, err) == (1, "") and "ranks: A was written by 2, B by 1" in out, out
     assert out.rstrip().endswith("different: 1 different number of ranks")
+
+
+def _save(d: Path, step: int, state: dict, **opts: Any) -> None:
+    with pitstop.CheckpointManager(d, memory_tier=False, async_save=False,
+                                   save_on_signals=None, **opts) as mgr:
+        mgr.save(step, state).wait()
+
+
+def test_export_never_writes_over_the_run_directorys_own_files(tmp_path, capsys):
+    """`pitstop export runs/a --to npz -o runs/a/step_0000000001/manifest.json --force` (a
+    slip of tab completion) replaced the checkpoint's own manifest with the npz: the
+    checkpoint being exported was destroyed, exit 0."""
+    d = tmp_path / "a"
+    _save(d, 1, {"w": np.arange(3.0)})
+    own = d / "step_0000000001"
+    for out in [own / "manifest.json", own / "model.npz", d / ".pitstop" / "x.npz", d]:
+        rc, _out, err = run(capsys, "export", d, "--to", "npz", "-o", out, "--force")
+        assert rc == 2 and err.count("\n") == 1 and "inside the run directory, only beside" in err, (out, err)
+    rc, out, err = run(capsys, "verify", d)
+    assert (rc, err) == (0, ""), out + err
+    assert not (own / "model.npz").exists()
+    # beside the checkpoints, in the run directory itself: a plain file, allowed
+    assert run(capsys, "export", d, "--to", "npz", "-o", d / "exp.npz")[0] == 0
