@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..core.dtypes import ML_DTYPES
-from ..core.errors import CheckpointError, CorruptCheckpointError
+from ..core.errors import CheckpointError, CorruptCheckpointError, StepExistsError
 from ..core.tree import decode_value, encode_value, join, split, unflatten
 
 NPZ_META = "__pitstop__"
@@ -618,7 +618,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     try:
         steps = _import(fmt, src, dest, args.step, args.key)
     except CheckpointError as e:
-        raise cli.CliError(cli._one_line(e)) from None
+        text = cli._one_line(e)
+        if isinstance(e, StepExistsError):  # the adapters' words are for their Python API
+            text = text.replace("step=...", "--step N")
+        raise cli.CliError(text) from None
     for step in steps:
         storage, _ = cli._locate(dest, step, None, "import")
         picked, naming = cli._pick_live(storage, step, "import")

@@ -112,3 +112,14 @@ def test_export_never_writes_over_the_run_directorys_own_files(tmp_path, capsys)
     assert not (own / "model.npz").exists()
     # beside the checkpoints, in the run directory itself: a plain file, allowed
     assert run(capsys, "export", d, "--to", "npz", "-o", d / "exp.npz")[0] == 0
+
+
+def test_import_over_an_existing_step_names_the_commands_option(tmp_path, capsys):
+    """`pitstop import model.pt runs/a` when runs/a has step 0 told the user to import
+    "under another step (step=...)": the Python keyword, not the command's --step."""
+    torch = __import__("pytest").importorskip("torch")
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    assert run(capsys, "import", tmp_path / "model.pt", tmp_path / "a")[0] == 0
+    rc, _out, err = run(capsys, "import", tmp_path / "model.pt", tmp_path / "a")
+    assert rc == 2 and err.count("\n") == 1 and "already has a checkpoint of step 0" in err
+    assert "step=" not in err and "--step" in err, err
