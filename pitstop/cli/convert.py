@@ -373,6 +373,22 @@ def _is_orbax(path: str) -> bool:
     return marked(path, 2)
 
 
+def _is_keras(src: str) -> bool:
+    """An HDF5 file (Keras's ``.weights.h5`` and legacy ``.h5``) or a ``.keras`` zip."""
+    try:
+        with open(src, "rb") as f:
+            head = f.read(8)
+        if head == b"\x89HDF\r\n\x1a\n":
+            return True
+        if head[:4] == b"PK\x03\x04":
+            with zipfile.ZipFile(src) as zf:
+                names = set(zf.namelist())
+            return "config.json" in names and "model.weights.h5" in names
+    except (OSError, zipfile.BadZipFile):
+        pass
+    return False
+
+
 def detect(src: str) -> str | None:
     """The format of ``src`` by its files (no framework imported), or None."""
     if os.path.isdir(src):
@@ -595,6 +611,11 @@ def cmd_import(args: argparse.Namespace) -> int:
     cli = _cli()
     src, dest = args.src, args.dest
     fmt = args.fmt.lower() if args.fmt else None
+    if fmt in ("keras", "h5", "hdf5") or (fmt is None and _is_keras(src)):
+        raise cli.CliError(
+            f"{src}: Keras files (.keras, .weights.h5, .h5) are not supported by pitstop "
+            "import; load them into your model (keras.models.load_model or "
+            "model.load_weights) and save it with a pitstop CheckpointManager (docs/keras.md)")
     if fmt is not None and fmt not in IMPORTS:
         raise cli.CliError(f"--from {args.fmt}: unknown format; give one of "
                            f"{', '.join(IMPORTS)}")

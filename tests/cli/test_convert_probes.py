@@ -123,3 +123,21 @@ def test_import_over_an_existing_step_names_the_commands_option(tmp_path, capsys
     rc, _out, err = run(capsys, "import", tmp_path / "model.pt", tmp_path / "a")
     assert rc == 2 and err.count("\n") == 1 and "already has a checkpoint of step 0" in err
     assert "step=" not in err and "--step" in err, err
+
+
+def test_import_of_a_keras_file_says_it_is_not_supported(tmp_path, capsys):
+    """A Keras user ran `pitstop import model.weights.h5 runs/a` and was told "cannot tell
+    the format; give --from (one of torch, dcp, ...)", then `--from keras`: "unknown
+    format". Neither said that Keras files are not imported, nor what to do instead."""
+    import zipfile
+    (tmp_path / "m.weights.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)
+    with zipfile.ZipFile(tmp_path / "m.keras", "w") as zf:
+        zf.writestr("metadata.json", "{}")
+        zf.writestr("config.json", "{}")
+        zf.writestr("model.weights.h5", b"\x89HDF\r\n\x1a\n")
+    for argv in (["m.weights.h5"], ["m.keras"], ["m.weights.h5", "--from", "keras"]):
+        argv = [tmp_path / argv[0], tmp_path / "a", *argv[1:]]
+        rc, _out, err = run(capsys, "import", *argv)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert "Keras" in err and "not supported" in err and "load_weights" in err, err
+    assert not (tmp_path / "a").exists()
