@@ -484,6 +484,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             count, nbytes = _export_framework(fmt, storage.location, step, out, args.key, m)
     print(f"exported {count} arrays ({cli.human_size(nbytes)}) of step {step} of "
           f"{storage.location} to {out} ({fmt})")
+    left = [k for k in m.rank_specific() if _relative(k, args.key) is not None
+            or (args.key is not None and args.key.startswith(k + "/"))]
+    if left:
+        more = f" and {len(left) - 10} more" if len(left) > 10 else ""
+        print(f"note: written by {m.world} ranks: exported rank 0's view; {len(left)} key(s) "
+              f"hold other values on other ranks, not exported: "
+              f"{', '.join(cli._shown(k) for k in left[:10])}{more}")
     return 0
 
 

@@ -141,3 +141,17 @@ def test_import_of_a_keras_file_says_it_is_not_supported(tmp_path, capsys):
         assert rc == 2 and err.count("\n") == 1, err
         assert "Keras" in err and "not supported" in err and "load_weights" in err, err
     assert not (tmp_path / "a").exists()
+
+
+def test_export_of_a_multi_rank_checkpoint_says_what_it_leaves_out(tmp_path, capsys):
+    """A 2-rank checkpoint exported to npz held only rank 0's per-rank state (rank 1's RNG
+    stream, sampler position were dropped), and the command's output said nothing of it."""
+    _save_ranks(tmp_path / "a", 2, lambda r: {"w": np.ones(4), "mine": np.full(3, r),
+                                              "info": {"pos": r}})
+    rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "npz", "-o", tmp_path / "x.npz")
+    assert (rc, err) == (0, "")
+    assert "written by 2 ranks: exported rank 0's view; 2 key(s) hold other values on " \
+        "other ranks, not exported: info, mine" in out, out
+    rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "npz", "--key", "w",
+                       "-o", tmp_path / "w.npz")
+    assert (rc, err) == (0, "") and "ranks" not in out, out
