@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import re
 import struct
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..core.dtypes import ML_DTYPES
-from ..core.errors import CheckpointError, CorruptCheckpointError, StepExistsError
+from ..core.errors import CheckpointError, CorruptCheckpointError
 from ..core.tree import decode_value, encode_value, join, split, unflatten
 
 NPZ_META = "__pitstop__"
@@ -96,6 +97,9 @@ def add_parsers(sub: Any) -> None:
                    help="the step to write (default: the step SRC records, TensorFlow's "
                    "save counter, Orbax's own steps; else 0)")
     s.add_argument("--key", metavar="KEY", help="import one entry of SRC only")
+    s.add_argument("--keep-prefixes", action="store_true",
+                   help="torch, dcp: keep a 'module.' prefix every key of a module state "
+                   "dict has (by default dropped, as DDP / DataParallel adds it)")
     s.set_defaults(func=cmd_import)
 
 
@@ -126,6 +130,30 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+#: the adapters' advice names their Python keywords: the command's options instead
+_CLI_WORDS = (("(step=...)", "(--step N)"), ("step=...", "--step N"),
+              ("strip_prefixes=()", "--keep-prefixes"),
+              ("with export_torch_save", "with --to torch"),
+              ("use export_torch_save", "use --to torch"),
+              ("(key=...)", "(--key KEY)"), ("with key=", "with --key"))
+
+
+def _cli_words(text: str) -> str:
+    """``text`` (an adapter's error or warning) with its advice in the command's terms."""
+    for api, option in _CLI_WORDS:
+        text = text.replace(api, option)
+    return text
+
+
+class _CliWordsFilter(logging.Filter):
+    """Rewrites the adapters' warnings (a stripped ``module.`` prefix) in the command's
+    terms while an import runs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = _cli_words(record.getMessage()), None
+        return True
 
 
 def _sub_structure(structure: Any, comps: list[str]) -> Any:
@@ -549,7 +577,7 @@ def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | 
     except CorruptCheckpointError:
         raise
     except CheckpointError as e:
-        raise cli.CliError(cli._one_line(e)) from None
+        raise cli.CliError(_cli_words(cli._one_line(e))) from None
     return len(picked), sum(nbytes_of(e) for e in picked.values())
 
 
@@ -643,13 +671,17 @@ def cmd_import(args: argparse.Namespace) -> int:
                            "checkpoint (pitstop export --key can pick an entry later)")
     _check_dest(dest)
     cli._encryption()
+    if args.keep_prefixes and fmt not in ("torch", "dcp"):
+        raise cli.CliError(f"--keep-prefixes is for torch and dcp imports, not {fmt}")
+    words = _CliWordsFilter()
+    logging.getLogger("pitstop").addFilter(words)
     try:
-        steps = _import(fmt, src, dest, args.step, args.key)
+        steps = _import(fmt, src, dest, args.step, args.key,
+                        strip=() if args.keep_prefixes else ("module.",))
     except CheckpointError as e:
-        text = cli._one_line(e)
-        if isinstance(e, StepExistsError):  # the adapters' words are for their Python API
-            text = text.replace("step=...", "--step N")
-        raise cli.CliError(text) from None
+        raise cli.CliError(_cli_words(cli._one_line(e))) from None
+    finally:
+        logging.getLogger("pitstop").removeFilter(words)
     for step in steps:
         storage, _ = cli._locate(dest, step, None, "import")
         picked, naming = cli._pick_live(storage, step, "import")
@@ -679,7 +711,8 @@ def _native_stderr_muted() -> Iterator[None]:
         os.close(saved)
 
 
-def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) -> list[int]:
+def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
+            strip: tuple[str, ...] = ("module.",)) -> list[int]:
     """Import ``src`` of format ``fmt``; returns the steps written."""
     if fmt in ("npz", "safetensors"):
         if not os.path.isfile(src):
@@ -697,11 +730,11 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) ->
         if fmt == "torch":
             if not os.path.isfile(src):
                 raise _cli().CliError(f"{src}: not a file; a torch.save checkpoint is one file")
-            return [import_torch_save(src, dest, s, key=key)]
+            return [import_torch_save(src, dest, s, key=key, strip_prefixes=strip)]
         if not os.path.isdir(src):
             raise _cli().CliError(f"{src}: not a directory; a DCP checkpoint is a directory "
                                   "holding .metadata")
-        return [import_dcp(src, dest, s, key=key)]
+        return [import_dcp(src, dest, s, key=key, strip_prefixes=strip)]
     if fmt == "tf":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:

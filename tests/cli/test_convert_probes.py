@@ -155,3 +155,38 @@ def test_export_of_a_multi_rank_checkpoint_says_what_it_leaves_out(tmp_path, cap
     rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "npz", "--key", "w",
                        "-o", tmp_path / "w.npz")
     assert (rc, err) == (0, "") and "ranks" not in out, out
+
+
+def test_advice_names_the_commands_options_not_python_keywords(tmp_path, capsys):
+    """A DDP state dict import warned "import again with strip_prefixes=() to keep the
+    keys as saved", and a complex array's safetensors export said "export it with
+    export_torch_save": advice for the Python API that no option of the command takes."""
+    import logging
+
+    torch = __import__("pytest").importorskip("torch")
+    torch.save({"module.weight": torch.ones(2), "module.bias": torch.zeros(1)},
+               tmp_path / "ddp.pt")
+    logs: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logs.append(record.getMessage())
+
+    grab = Grab(logging.WARNING)
+    logging.getLogger("pitstop").addHandler(grab)
+    try:
+        assert run(capsys, "import", tmp_path / "ddp.pt", tmp_path / "a")[0] == 0
+    finally:
+        logging.getLogger("pitstop").removeHandler(grab)
+    assert len(logs) == 1 and "'module.weight' -> 'weight'" in logs[0], logs
+    assert "strip_prefixes" not in logs[0] and "--keep-prefixes" in logs[0], logs
+    rc, out, err = run(capsys, "import", tmp_path / "ddp.pt", tmp_path / "b",
+                       "--keep-prefixes")
+    assert (rc, err) == (0, ""), err
+    with pitstop.CheckpointManager(tmp_path / "b", read_only=True) as mgr:
+        assert sorted(mgr.load(0)) == ["module.bias", "module.weight"]
+    _save(tmp_path / "c", 1, {"z": np.ones(2, np.complex128)})
+    rc, _out, err = run(capsys, "export", tmp_path / "c", "--to", "safetensors",
+                        "-o", tmp_path / "c.safetensors")
+    assert rc == 2 and err.count("\n") == 1 and "'z'" in err, err
+    assert "export_torch_save" not in err and "--to torch" in err, err
