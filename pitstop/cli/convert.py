@@ -319,7 +319,8 @@ def _select(tree: Any, key: str | None, where: str) -> Any:
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1",
               "BOOL": "?", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2"}
+              "F8_E5M2": "float8_e5m2", "C64": "<c8", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+              "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
 
 
 def read_safetensors(path: str, key: str | None) -> tuple[Any, int | None, dict[str, Any]]:
