@@ -49,3 +49,21 @@ def test_tf_native_imports_with_its_values_and_save_counter(tmp_path, capsys):
     assert main(["import", str(tmp_path / "tf" / "ckpt-1"), str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pitstop: ") and err.count("\n") == 1 and "ckpt-1" in err
+
+
+def test_tf_import_of_one_key_imports_that_entry_only(tmp_path, capsys):
+    """`pitstop import tfdir runs/a --key w` imported the whole checkpoint: import_native
+    reused its `key` parameter for the destination's encryption key, so --key was dropped
+    (and an encrypted destination would have been given to select() as the key)."""
+    w, n = tf.Variable(np.arange(3, dtype=np.float32)), tf.Variable(np.int64(4))
+    prefix = tf.train.Checkpoint(w=w, n=n).save(str(tmp_path / "tf" / "ckpt"))
+    for dest in ("run", "run"):  # a new directory, then an existing one (another step)
+        rc = main(["import", prefix, str(tmp_path / dest), "--key", "w",
+                   *(["--step", "5"] if (tmp_path / dest).exists() else [])])
+        out, err = capsys.readouterr()
+        assert (rc, err) == (0, ""), err
+        assert out.startswith("imported 1 arrays (12 B)"), out
+    with pitstop.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 5]
+        got = mgr.load(5)
+    np.testing.assert_array_equal(got[".ATTRIBUTES"]["VARIABLE_VALUE"], w.numpy())

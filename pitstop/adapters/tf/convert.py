@@ -142,13 +142,13 @@ def import_native(prefix: str | os.PathLike[str], directory: str | os.PathLike[s
         step = _save_counter(tree) or 0
     target = os.fspath(directory)
     fresh = not os.path.isdir(os.path.join(target, ".pitstop"))
-    key = None
+    encryption = None
     if not fresh:
         # (read-only: an encrypted directory's key comes from PITSTOP_ENCRYPTION_KEY)
         reader = CheckpointManager(target, read_only=True, save_on_signals=None)
         try:
             exists = step in reader.all_steps()
-            key = reader.encryption
+            encryption = reader.encryption
         finally:
             reader.close()
         if exists:
@@ -157,7 +157,7 @@ def import_native(prefix: str | os.PathLike[str], directory: str | os.PathLike[s
                 "one: import under another step, into another directory, or delete it first")
     naming = {"step_prefix": "ckpt-", "step_digits": 0} if fresh else {}
     mgr = CheckpointManager(target, async_save=False, save_on_signals=None, memory_tier=False,
-                            encryption=key, **naming)  # type: ignore[arg-type]
+                            encryption=encryption, **naming)  # type: ignore[arg-type]
     try:
         mgr.save(step, select(tree, key, source), metrics).wait()
     finally:
