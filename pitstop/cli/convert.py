@@ -44,6 +44,8 @@ IMPORTS = ("torch", "dcp", "tf", "orbax", "safetensors", "npz")
 _EXT = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt", "orbax": "-orbax"}
 _ML_BY_DTYPE = {v: k for k, v in ML_DTYPES.items()}
 _TORCH_EXTRA = "pip install 'pitstop[torch]'"
+#: the largest step a run directory's index (.pitstop/index.json) holds: 18 digits
+MAX_STEP = 10 ** 18 - 1
 
 EXPORT_EPILOG = """\
 formats: npz (numpy only), safetensors and torch (need torch), orbax (needs jax and
@@ -665,8 +667,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         if fmt is None:
             raise cli.CliError(f"cannot tell the format of {src}; give --from (one of "
                                f"{', '.join(IMPORTS)})")
-    if args.step is not None and args.step < 0:
-        raise cli.CliError(f"--step {args.step}: steps are integers >= 0")
+    if args.step is not None and not 0 <= args.step <= MAX_STEP:
+        raise cli.CliError(f"--step {args.step}: steps are integers from 0 to {MAX_STEP}")
     if args.key is not None and fmt == "orbax":
         raise cli.CliError("--key is not supported for Orbax imports; import the whole "
                            "checkpoint (pitstop export --key can pick an entry later)")

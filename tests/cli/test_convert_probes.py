@@ -212,3 +212,19 @@ def test_every_dtype_export_writes_to_safetensors_imports_back(tmp_path, capsys)
     assert (rc, err) == (0, ""), err
     rc, out, err = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
     assert (rc, err) == (0, ""), out
+
+
+def test_import_refuses_a_step_its_directory_cannot_index(tmp_path, capsys):
+    """`pitstop import model.npz runs/a --step 99999999999999999999` committed step 10**20;
+    every later command on runs/a then warned that .pitstop/index.json was unreadable
+    ("entry '99999999999999999999' is not a step's") and rebuilt it, each time."""
+    np.savez(tmp_path / "m.npz", w=np.ones(2))
+    rc, _out, err = run(capsys, "import", tmp_path / "m.npz", tmp_path / "a",
+                        "--step", 10 ** 20)
+    assert rc == 2 and err.count("\n") == 1 and "--step 100000000000000000000" in err, err
+    assert not (tmp_path / "a").exists()
+    big = 10 ** 18 - 1  # the largest step the index holds
+    assert run(capsys, "import", tmp_path / "m.npz", tmp_path / "a", "--step", big)[0] == 0
+    rc, out, err = run(capsys, "ls", tmp_path / "a")
+    assert (rc, err) == (0, ""), err
+
