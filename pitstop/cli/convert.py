@@ -139,7 +139,9 @@ _CLI_WORDS = (("(step=...)", "(--step N)"), ("step=...", "--step N"),
               ("strip_prefixes=()", "--keep-prefixes"),
               ("with export_torch_save", "with --to torch"),
               ("use export_torch_save", "use --to torch"),
-              ("(key=...)", "(--key KEY)"), ("with key=", "with --key"))
+              ("(key=...)", "(--key KEY)"), ("with key=", "with --key"),
+              ("as key=, or key=None for everything", "as --key, or leave --key out for "
+               "everything"))
 
 
 def _cli_words(text: str) -> str:

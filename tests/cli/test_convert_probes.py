@@ -228,3 +228,15 @@ def test_import_refuses_a_step_its_directory_cannot_index(tmp_path, capsys):
     rc, out, err = run(capsys, "ls", tmp_path / "a")
     assert (rc, err) == (0, ""), err
 
+
+def test_a_missing_key_names_the_option(tmp_path, capsys):
+    """`pitstop import m.npz runs/a --key nope` answered "Pass one of them as key=, or
+    key=None for everything": Python words for a command-line user."""
+    np.savez(tmp_path / "m.npz", w=np.ones(2))
+    rc, _out, err = run(capsys, "import", tmp_path / "m.npz", tmp_path / "a", "--key", "nope")
+    assert rc == 2 and err.count("\n") == 1 and "entries there: 'w'" in err, err
+    assert "key=" not in err and "--key" in err, err
+    _save(tmp_path / "b", 1, {"w": np.ones(2)})
+    rc, _out, err = run(capsys, "export", tmp_path / "b", "--to", "npz", "--key", "nope",
+                        "-o", tmp_path / "b.npz")
+    assert rc == 2 and err.count("\n") == 1 and "key=" not in err, err
