@@ -141,7 +141,10 @@ _CLI_WORDS = (("(step=...)", "(--step N)"), ("step=...", "--step N"),
               ("use export_torch_save", "use --to torch"),
               ("(key=...)", "(--key KEY)"), ("with key=", "with --key"),
               ("as key=, or key=None for everything", "as --key, or leave --key out for "
-               "everything"))
+               "everything"),
+              ("Use one CheckpointManager per directory, or open it with read_only=True to "
+               "only restore.", "Import into another directory, or once that job has "
+               "stopped."))
 
 
 def _cli_words(text: str) -> str:

@@ -240,3 +240,15 @@ def test_a_missing_key_names_the_option(tmp_path, capsys):
     rc, _out, err = run(capsys, "export", tmp_path / "b", "--to", "npz", "--key", "nope",
                         "-o", tmp_path / "b.npz")
     assert rc == 2 and err.count("\n") == 1 and "key=" not in err, err
+
+
+def test_import_into_a_directory_a_job_is_writing_says_what_to_do(tmp_path, capsys):
+    """`pitstop import m.npz runs/live` while a training job held runs/live answered "Use
+    one CheckpointManager per directory, or open it with read_only=True to only restore":
+    advice for code, not for someone importing a file."""
+    np.savez(tmp_path / "m.npz", w=np.ones(2))
+    with pitstop.CheckpointManager(tmp_path / "live", save_on_signals=None, memory_tier=False):
+        rc, _out, err = run(capsys, "import", tmp_path / "m.npz", tmp_path / "live",
+                            "--step", 5)
+    assert rc == 2 and err.count("\n") == 1 and "in use by another writer" in err, err
+    assert "read_only" not in err and "once that job has stopped" in err, err
