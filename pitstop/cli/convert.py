@@ -144,7 +144,8 @@ _CLI_WORDS = (("(step=...)", "(--step N)"), ("step=...", "--step N"),
                "everything"),
               ("Use one CheckpointManager per directory, or open it with read_only=True to "
                "only restore.", "Import into another directory, or once that job has "
-               "stopped."))
+               "stopped."),
+              (" and pass encryption=pitstop.Encryption() to read it", ""))
 
 
 def _cli_words(text: str) -> str:

@@ -252,3 +252,24 @@ def test_import_into_a_directory_a_job_is_writing_says_what_to_do(tmp_path, caps
                             "--step", 5)
     assert rc == 2 and err.count("\n") == 1 and "in use by another writer" in err, err
     assert "read_only" not in err and "once that job has stopped" in err, err
+
+
+def test_import_into_an_encrypted_directory_without_the_key(tmp_path, capsys, monkeypatch):
+    """`pitstop import m.npz runs/enc` without PITSTOP_ENCRYPTION_KEY answered "set
+    PITSTOP_ENCRYPTION_KEY to its key and pass encryption=pitstop.Encryption() to read it":
+    the second half is for code; the command needs the variable only."""
+    import pitstop.cli as cli
+    monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
+    _save(tmp_path / "enc", 1, {"w": np.ones(2)}, encryption=pitstop.Encryption())
+    np.savez(tmp_path / "m.npz", w=np.zeros(2))
+    monkeypatch.setattr(cli, "_KEY", [])
+    monkeypatch.delenv("PITSTOP_ENCRYPTION_KEY")
+    rc, _out, err = run(capsys, "import", tmp_path / "m.npz", tmp_path / "enc", "--step", 2)
+    assert rc == 2 and err.count("\n") == 1 and "set PITSTOP_ENCRYPTION_KEY" in err, err
+    assert "encryption=" not in err, err
+    # with the key: imported, and encrypted like the directory's own checkpoints
+    monkeypatch.setattr(cli, "_KEY", [])
+    monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
+    rc, _out, err = run(capsys, "import", tmp_path / "m.npz", tmp_path / "enc", "--step", 2)
+    assert (rc, err) == (0, ""), err
+    assert b"encryption" in (tmp_path / "enc" / "step_0000000002" / "manifest.json").read_bytes()
