@@ -688,7 +688,10 @@ def cmd_import(args: argparse.Namespace) -> int:
         steps = _import(fmt, src, dest, args.step, args.key,
                         strip=() if args.keep_prefixes else ("module.",))
     except CheckpointError as e:
-        raise cli.CliError(_cli_words(cli._one_line(e))) from None
+        text = _cli_words(cli._one_line(e))
+        if fmt == "orbax" and "orbax_options=" in text:
+            text = text.replace("pass its options as orbax_options=", _orbax_steps_hint(src, dest))
+        raise cli.CliError(text) from None
     finally:
         logging.getLogger("pitstop").removeFilter(words)
     for step in steps:
@@ -698,6 +701,19 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"imported {len(m.arrays)} arrays ({cli.human_size(m.nbytes)}) from {src} "
               f"as step {step} of {storage.location}")
     return 0
+
+
+def _orbax_steps_hint(src: str, dest: str) -> str:
+    """What a command-line user does with an Orbax manager directory whose steps are named
+    otherwise than by plain numbers (its ``step_prefix``): import each step's directory."""
+    try:
+        names = sorted(n for n in os.listdir(src) if not n.startswith(".")
+                       and "tmp" not in n and os.path.isdir(os.path.join(src, n)))
+    except OSError:
+        names = []
+    one = os.path.join(src, names[0]) if names else os.path.join(src, "STEP_DIR")
+    return (f"import each step's own directory, with its step (pitstop import {one} {dest} "
+            "--step N)")
 
 
 @contextlib.contextmanager
