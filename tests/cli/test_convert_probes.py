@@ -273,3 +273,18 @@ def test_import_into_an_encrypted_directory_without_the_key(tmp_path, capsys, mo
     rc, _out, err = run(capsys, "import", tmp_path / "m.npz", tmp_path / "enc", "--step", 2)
     assert (rc, err) == (0, ""), err
     assert b"encryption" in (tmp_path / "enc" / "step_0000000002" / "manifest.json").read_bytes()
+
+
+def test_a_refused_torch_file_is_not_told_to_allowlist_its_classes(tmp_path, capsys):
+    """`pitstop import` of {"model": sd, "args": argparse.Namespace(...)} (the common
+    torch.save of a training script) relayed torch's advice: "Please use
+    torch.serialization.add_safe_globals([argparse.Namespace]) ... to allowlist this
+    global": nothing the command (or pitstop's import) can take."""
+    import argparse
+    torch = __import__("pytest").importorskip("torch")
+    torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)},
+               tmp_path / "train.pt")
+    rc, _out, err = run(capsys, "import", tmp_path / "train.pt", tmp_path / "a")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "argparse.Namespace" in err and "model.state_dict()" in err, err
+    assert "add_safe_globals" not in err and "allowlist" not in err, err
