@@ -27,6 +27,7 @@ import re
 import struct
 import sys
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -752,14 +753,19 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
         except ImportError as e:
             raise _framework_missing(fmt, e) from None
         s = 0 if step is None else step
-        if fmt == "torch":
-            if not os.path.isfile(src):
-                raise _cli().CliError(f"{src}: not a file; a torch.save checkpoint is one file")
-            return [import_torch_save(src, dest, s, key=key, strip_prefixes=strip)]
-        if not os.path.isdir(src):
-            raise _cli().CliError(f"{src}: not a directory; a DCP checkpoint is a directory "
-                                  "holding .metadata")
-        return [import_dcp(src, dest, s, key=key, strip_prefixes=strip)]
+        with warnings.catch_warnings():
+            # torch's notes as it rebuilds tensors ("ComplexHalf support is experimental"):
+            # about torch, not the file; the command's answer stays one line
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch(\.|$)")
+            if fmt == "torch":
+                if not os.path.isfile(src):
+                    raise _cli().CliError(f"{src}: not a file; a torch.save checkpoint is "
+                                          "one file")
+                return [import_torch_save(src, dest, s, key=key, strip_prefixes=strip)]
+            if not os.path.isdir(src):
+                raise _cli().CliError(f"{src}: not a directory; a DCP checkpoint is a "
+                                      "directory holding .metadata")
+            return [import_dcp(src, dest, s, key=key, strip_prefixes=strip)]
     if fmt == "tf":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:

@@ -288,3 +288,22 @@ def test_a_refused_torch_file_is_not_told_to_allowlist_its_classes(tmp_path, cap
     assert rc == 2 and err.count("\n") == 1, err
     assert "argparse.Namespace" in err and "model.state_dict()" in err, err
     assert "add_safe_globals" not in err and "allowlist" not in err, err
+
+
+
+def test_a_torch_file_pitstop_cannot_hold_is_one_line(tmp_path):
+    """A torch.save file with a complex32 tensor: the refusal came after three lines of
+    torch's own "ComplexHalf support is experimental" UserWarning on stderr (torch warns
+    once per process: the command runs in a process of its own here)."""
+    import subprocess
+    import sys
+    import warnings
+    torch = __import__("pytest").importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save({"ch": torch.ones(2, dtype=torch.complex32)}, tmp_path / "c.pt")
+    p = subprocess.run([sys.executable, "-m", "pitstop.cli", "import", tmp_path / "c.pt",
+                        tmp_path / "a"], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).parents[2])
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "'ch'" in p.stderr and "complex32" in p.stderr, p.stderr
