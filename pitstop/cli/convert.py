@@ -522,6 +522,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             count, nbytes = _export_framework(fmt, storage.location, step, out, args.key, m)
     print(f"exported {count} arrays ({cli.human_size(nbytes)}) of step {step} of "
           f"{storage.location} to {out} ({fmt})")
+    _say_not_kept(fmt, step, m.metrics)
     left = [k for k in m.rank_specific() if _relative(k, args.key) is not None
             or (args.key is not None and args.key.startswith(k + "/"))]
     if left:
@@ -530,6 +531,27 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"hold other values on other ranks, not exported: "
               f"{', '.join(cli._shown(k) for k in left[:10])}{more}")
     return 0
+
+
+#: what each format's file cannot hold of a checkpoint (npz keeps everything)
+_KEEPS_NO_STEP = {"torch": "a torch.save file"}
+_KEEPS_NO_METRICS = {"torch": "a torch.save file", "safetensors": "a .safetensors file",
+                     "orbax": "an Orbax checkpoint written by export"}
+
+
+def _say_not_kept(fmt: str, step: int, metrics: dict[str, Any]) -> None:
+    """A note line naming what the exported file lacks (the step, the metrics), so that a
+    later ``pitstop import`` of it is not a surprise."""
+    cli = _cli()
+    lost = []
+    if fmt in _KEEPS_NO_STEP:
+        lost.append(f"the step ({step}: pitstop import it with --step {step})")
+    if metrics and fmt in _KEEPS_NO_METRICS:
+        names = ", ".join(cli._shown(k) for k in list(metrics)[:10])
+        lost.append(f"the metrics ({names}{' ...' if len(metrics) > 10 else ''})")
+    if lost:
+        what = _KEEPS_NO_STEP.get(fmt) or _KEEPS_NO_METRICS[fmt]
+        print(f"note: {what} does not keep {' or '.join(lost)}")
 
 
 def _outside_run(out: str, run: str) -> None:

@@ -307,3 +307,24 @@ def test_a_torch_file_pitstop_cannot_hold_is_one_line(tmp_path):
                        cwd=Path(__file__).parents[2])
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "'ch'" in p.stderr and "complex32" in p.stderr, p.stderr
+
+
+def test_export_says_what_the_format_does_not_keep(tmp_path, capsys):
+    """A torch.save export of step 7 with metrics {"loss": 0.5}: the file has neither the
+    step nor the metrics, and `pitstop import` of it then wrote step 0 with no metrics;
+    nothing said so at export."""
+    torch = __import__("pytest").importorskip("torch")
+    with pitstop.CheckpointManager(tmp_path / "a", memory_tier=False, async_save=False,
+                                   save_on_signals=None) as mgr:
+        mgr.save(7, {"w": np.ones(2)}, metrics={"loss": 0.5}).wait()
+    rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "torch", "-o", tmp_path / "a.pt")
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[1] == "note: a torch.save file does not keep the step (7: " \
+        "pitstop import it with --step 7) or the metrics (loss)", out
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["w"].tolist() == [1.0, 1.0]
+    rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "safetensors",
+                       "-o", tmp_path / "a.safetensors")
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[1] == "note: a .safetensors file does not keep the metrics (loss)"
+    rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "npz", "-o", tmp_path / "a.npz")
+    assert (rc, err) == (0, "") and "note" not in out  # npz keeps both
