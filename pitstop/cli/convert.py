@@ -411,6 +411,15 @@ def _is_orbax(path: str) -> bool:
     return marked(path, 2)
 
 
+def _is_pitstop(src: str) -> bool:
+    """A pitstop run directory (``.pitstop/`` in it) or one of its checkpoints (a
+    ``manifest.json`` in it, ``.pitstop/`` beside it)."""
+    here = os.path.abspath(src)
+    return os.path.isdir(os.path.join(here, ".pitstop")) or (
+        os.path.isfile(os.path.join(here, "manifest.json"))
+        and os.path.isdir(os.path.join(os.path.dirname(here), ".pitstop")))
+
+
 def _is_keras(src: str) -> bool:
     """An HDF5 file (Keras's ``.weights.h5`` and legacy ``.h5``) or a ``.keras`` zip."""
     try:
@@ -693,6 +702,10 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise cli.CliError(f"{src}: no such file or directory; check the path")
     if fmt is None:
         fmt = detect(src)
+        if fmt is None and _is_pitstop(src):
+            raise cli.CliError(
+                f"{src}: already a pitstop checkpoint directory, nothing to import; every "
+                "command reads it as it is (pitstop export writes it to another format)")
         if fmt is None:
             raise cli.CliError(f"cannot tell the format of {src}; give --from (one of "
                                f"{', '.join(IMPORTS)})")

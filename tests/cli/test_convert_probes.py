@@ -328,3 +328,14 @@ def test_export_says_what_the_format_does_not_keep(tmp_path, capsys):
     assert out.splitlines()[1] == "note: a .safetensors file does not keep the metrics (loss)"
     rc, out, err = run(capsys, "export", tmp_path / "a", "--to", "npz", "-o", tmp_path / "a.npz")
     assert (rc, err) == (0, "") and "note" not in out  # npz keeps both
+
+
+def test_import_of_a_pitstop_directory_says_what_it_is(tmp_path, capsys):
+    """`pitstop import runs/old runs/new` (a pitstop run directory, or one of its
+    checkpoints, as SRC) answered "cannot tell the format; give --from (one of torch,
+    dcp, ...)", as if it were some unknown file."""
+    _save(tmp_path / "old", 3, {"w": np.ones(2)})
+    for src in (tmp_path / "old", tmp_path / "old" / "step_0000000003"):
+        rc, _out, err = run(capsys, "import", src, tmp_path / "new")
+        assert rc == 2 and err.count("\n") == 1 and "already a pitstop" in err, err
+    assert not (tmp_path / "new").exists()
