@@ -670,6 +670,10 @@ def _refuse_existing(dest: str, step: int) -> Any:
 def _check_dest(dest: str) -> None:
     """DEST can be a pitstop run directory: a directory or nothing yet, in a writable place."""
     cli = _cli()
+    if dest.startswith("memory://"):
+        raise cli.CliError(f"{dest}: the memory:// file system lives inside one process, so "
+                           "the import would vanish when this command exits; give a "
+                           "directory or an object store URL")
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise cli.CliError(f"{dest}: exists and is not a directory; give the run directory "
                            "to import into")

@@ -339,3 +339,11 @@ def test_import_of_a_pitstop_directory_says_what_it_is(tmp_path, capsys):
         rc, _out, err = run(capsys, "import", src, tmp_path / "new")
         assert rc == 2 and err.count("\n") == 1 and "already a pitstop" in err, err
     assert not (tmp_path / "new").exists()
+
+
+def test_import_into_memory_storage_is_refused(tmp_path, capsys):
+    """`pitstop import m.npz memory://run` said "imported 1 arrays ... as step 0 of
+    memory://run", exit 0: the in-process memory file system vanished with the command."""
+    np.savez(tmp_path / "m.npz", w=np.ones(2))
+    rc, out, err = run(capsys, "import", tmp_path / "m.npz", "memory://probe/run")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "memory://" in err, out + err
