@@ -146,7 +146,7 @@ _CLI_WORDS = (("(step=...)", "(--step N)"), ("step=...", "--step N"),
               ("Use one CheckpointManager per directory, or open it with read_only=True to "
                "only restore.", "Import into another directory, or once that job has "
                "stopped."),
-              (" and pass encryption=pitstop.Encryption() to read it", ""))
+              (" and pass encryption=pitstop.Encryption()", ""))
 
 
 def _cli_words(text: str) -> str:
@@ -652,8 +652,8 @@ def _refuse_existing(dest: str, step: int) -> Any:
     ``dest`` (from PITSTOP_ENCRYPTION_KEY), so the import is encrypted as its checkpoints."""
     from ..core.errors import StepExistsError
     from ..core.manager import CheckpointManager
-    if not os.path.isdir(dest):
-        return None
+    if "://" not in dest and not os.path.isdir(dest):
+        return None  # (a URL's directory is looked up in its store)
     mgr = CheckpointManager(dest, read_only=True, save_on_signals=None)
     try:
         exists = step in mgr.all_steps()
