@@ -647,7 +647,7 @@ def _save_tree(tree: Any, dest: str, step: int, metrics: dict[str, Any] | None,
     return step
 
 
-def _refuse_existing(dest: str, step: int) -> Any:
+def _refuse_existing(dest: str, step: int | None) -> Any:
     """Raise StepExistsError when ``dest`` has ``step``; returns the key of an encrypted
     ``dest`` (from PITSTOP_ENCRYPTION_KEY), so the import is encrypted as its checkpoints."""
     from ..core.errors import StepExistsError
@@ -818,7 +818,8 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
     except ImportError as e:
         raise _framework_missing(fmt, e) from None
     _quiet_absl()
-    return import_orbax(src, dest, step=step)
+    key = _refuse_existing(dest, None)  # an encrypted DEST's key (its steps: import_orbax's)
+    return import_orbax(src, dest, step=step, **({"encryption": key} if key else {}))
 
 
 def _quiet_absl() -> None:
