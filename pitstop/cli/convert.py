@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import re
 import struct
 import sys
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,6 +45,8 @@ IMPORTS = ("torch", "dcp", "tf", "orbax", "safetensors", "npz")
 _EXT = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt", "orbax": "-orbax"}
 _ML_BY_DTYPE = {v: k for k, v in ML_DTYPES.items()}
 _TORCH_EXTRA = "pip install 'pitstop[torch]'"
+#: the largest step a run directory's index (.pitstop/index.json) holds: 18 digits
+MAX_STEP = 10 ** 18 - 1
 
 EXPORT_EPILOG = """\
 formats: npz (numpy only), safetensors and torch (need torch), orbax (needs jax and
@@ -96,6 +100,9 @@ def add_parsers(sub: Any) -> None:
                    help="the step to write (default: the step SRC records, TensorFlow's "
                    "save counter, Orbax's own steps; else 0)")
     s.add_argument("--key", metavar="KEY", help="import one entry of SRC only")
+    s.add_argument("--keep-prefixes", action="store_true",
+                   help="torch, dcp: keep a 'module.' prefix every key of a module state "
+                   "dict has (by default dropped, as DDP / DataParallel adds it)")
     s.set_defaults(func=cmd_import)
 
 
@@ -126,6 +133,36 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+#: the adapters' advice names their Python keywords: the command's options instead
+_CLI_WORDS = (("(step=...)", "(--step N)"), ("step=...", "--step N"),
+              ("strip_prefixes=()", "--keep-prefixes"),
+              ("with export_torch_save", "with --to torch"),
+              ("use export_torch_save", "use --to torch"),
+              ("(key=...)", "(--key KEY)"), ("with key=", "with --key"),
+              ("as key=, or key=None for everything", "as --key, or leave --key out for "
+               "everything"),
+              ("Use one CheckpointManager per directory, or open it with read_only=True to "
+               "only restore.", "Import into another directory, or once that job has "
+               "stopped."),
+              (" and pass encryption=pitstop.Encryption()", ""))
+
+
+def _cli_words(text: str) -> str:
+    """``text`` (an adapter's error or warning) with its advice in the command's terms."""
+    for api, option in _CLI_WORDS:
+        text = text.replace(api, option)
+    return text
+
+
+class _CliWordsFilter(logging.Filter):
+    """Rewrites the adapters' warnings (a stripped ``module.`` prefix) in the command's
+    terms while an import runs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = _cli_words(record.getMessage()), None
+        return True
 
 
 def _sub_structure(structure: Any, comps: list[str]) -> Any:
@@ -291,7 +328,8 @@ def _select(tree: Any, key: str | None, where: str) -> Any:
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1",
               "BOOL": "?", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2"}
+              "F8_E5M2": "float8_e5m2", "C64": "<c8", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+              "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
 
 
 def read_safetensors(path: str, key: str | None) -> tuple[Any, int | None, dict[str, Any]]:
@@ -373,6 +411,31 @@ def _is_orbax(path: str) -> bool:
     return marked(path, 2)
 
 
+def _is_pitstop(src: str) -> bool:
+    """A pitstop run directory (``.pitstop/`` in it) or one of its checkpoints (a
+    ``manifest.json`` in it, ``.pitstop/`` beside it)."""
+    here = os.path.abspath(src)
+    return os.path.isdir(os.path.join(here, ".pitstop")) or (
+        os.path.isfile(os.path.join(here, "manifest.json"))
+        and os.path.isdir(os.path.join(os.path.dirname(here), ".pitstop")))
+
+
+def _is_keras(src: str) -> bool:
+    """An HDF5 file (Keras's ``.weights.h5`` and legacy ``.h5``) or a ``.keras`` zip."""
+    try:
+        with open(src, "rb") as f:
+            head = f.read(8)
+        if head == b"\x89HDF\r\n\x1a\n":
+            return True
+        if head[:4] == b"PK\x03\x04":
+            with zipfile.ZipFile(src) as zf:
+                names = set(zf.namelist())
+            return "config.json" in names and "model.weights.h5" in names
+    except (OSError, zipfile.BadZipFile):
+        pass
+    return False
+
+
 def detect(src: str) -> str | None:
     """The format of ``src`` by its files (no framework imported), or None."""
     if os.path.isdir(src):
@@ -452,6 +515,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     where = storage.path_of(name)
     run = os.path.basename(storage.location.rstrip("/")) or "checkpoint"
     out = args.output or f"{run}-step{step}{_EXT[fmt]}"
+    _outside_run(out, storage.location)
     if fmt != "orbax":
         if os.path.isdir(out):
             raise cli.CliError(f"{out}: a directory; give the file to write with -o")
@@ -467,7 +531,58 @@ def cmd_export(args: argparse.Namespace) -> int:
             count, nbytes = _export_framework(fmt, storage.location, step, out, args.key, m)
     print(f"exported {count} arrays ({cli.human_size(nbytes)}) of step {step} of "
           f"{storage.location} to {out} ({fmt})")
+    _say_not_kept(fmt, step, m.metrics)
+    left = [k for k in m.rank_specific() if _relative(k, args.key) is not None
+            or (args.key is not None and args.key.startswith(k + "/"))]
+    if left:
+        more = f" and {len(left) - 10} more" if len(left) > 10 else ""
+        print(f"note: written by {m.world} ranks: exported rank 0's view; {len(left)} key(s) "
+              f"hold other values on other ranks, not exported: "
+              f"{', '.join(cli._shown(k) for k in left[:10])}{more}")
     return 0
+
+
+#: what each format's file cannot hold of a checkpoint (npz keeps everything)
+_KEEPS_NO_STEP = {"torch": "a torch.save file"}
+_KEEPS_NO_METRICS = {"torch": "a torch.save file", "safetensors": "a .safetensors file",
+                     "orbax": "an Orbax checkpoint written by export"}
+
+
+def _say_not_kept(fmt: str, step: int, metrics: dict[str, Any]) -> None:
+    """A note line naming what the exported file lacks (the step, the metrics), so that a
+    later ``pitstop import`` of it is not a surprise."""
+    cli = _cli()
+    lost = []
+    if fmt in _KEEPS_NO_STEP:
+        lost.append(f"the step ({step}: pitstop import it with --step {step})")
+    if metrics and fmt in _KEEPS_NO_METRICS:
+        names = ", ".join(cli._shown(k) for k in list(metrics)[:10])
+        lost.append(f"the metrics ({names}{' ...' if len(metrics) > 10 else ''})")
+    if lost:
+        what = _KEEPS_NO_STEP.get(fmt) or _KEEPS_NO_METRICS[fmt]
+        print(f"note: {what} does not keep {' or '.join(lost)}")
+
+
+def _outside_run(out: str, run: str) -> None:
+    """Refuse an OUT that is the run directory or inside one of its checkpoints (or its
+    ``.pitstop`` folder): written there, the export would replace the files of the very
+    checkpoint it reads, or leave a foreign file inside a committed checkpoint."""
+    if "://" in run:
+        return
+    cli = _cli()
+    root = os.path.realpath(run)
+    # the folder resolved, the name not: a link named OUT is replaced, never its target
+    where = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(out))),
+                         os.path.basename(os.path.abspath(out)))
+    try:
+        rel = os.path.relpath(where, root)
+    except ValueError:  # another drive
+        return
+    parts = rel.split(os.sep)
+    if rel == "." or (parts[0] != ".." and len(parts) > 1):
+        raise cli.CliError(f"{out}: the run directory {run} or inside its checkpoints; "
+                           "give -o a path outside it (inside the run directory, only "
+                           "beside its checkpoints)")
 
 
 def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | None,
@@ -503,7 +618,7 @@ def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | 
     except CorruptCheckpointError:
         raise
     except CheckpointError as e:
-        raise cli.CliError(cli._one_line(e)) from None
+        raise cli.CliError(_cli_words(cli._one_line(e))) from None
     return len(picked), sum(nbytes_of(e) for e in picked.values())
 
 
@@ -532,13 +647,13 @@ def _save_tree(tree: Any, dest: str, step: int, metrics: dict[str, Any] | None,
     return step
 
 
-def _refuse_existing(dest: str, step: int) -> Any:
+def _refuse_existing(dest: str, step: int | None) -> Any:
     """Raise StepExistsError when ``dest`` has ``step``; returns the key of an encrypted
     ``dest`` (from PITSTOP_ENCRYPTION_KEY), so the import is encrypted as its checkpoints."""
     from ..core.errors import StepExistsError
     from ..core.manager import CheckpointManager
-    if not os.path.isdir(dest):
-        return None
+    if "://" not in dest and not os.path.isdir(dest):
+        return None  # (a URL's directory is looked up in its store)
     mgr = CheckpointManager(dest, read_only=True, save_on_signals=None)
     try:
         exists = step in mgr.all_steps()
@@ -555,6 +670,10 @@ def _refuse_existing(dest: str, step: int) -> Any:
 def _check_dest(dest: str) -> None:
     """DEST can be a pitstop run directory: a directory or nothing yet, in a writable place."""
     cli = _cli()
+    if dest.startswith("memory://"):
+        raise cli.CliError(f"{dest}: the memory:// file system lives inside one process, so "
+                           "the import would vanish when this command exits; give a "
+                           "directory or an object store URL")
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise cli.CliError(f"{dest}: exists and is not a directory; give the run directory "
                            "to import into")
@@ -572,6 +691,11 @@ def cmd_import(args: argparse.Namespace) -> int:
     cli = _cli()
     src, dest = args.src, args.dest
     fmt = args.fmt.lower() if args.fmt else None
+    if fmt in ("keras", "h5", "hdf5") or (fmt is None and _is_keras(src)):
+        raise cli.CliError(
+            f"{src}: Keras files (.keras, .weights.h5, .h5) are not supported by pitstop "
+            "import; load them into your model (keras.models.load_model or "
+            "model.load_weights) and save it with a pitstop CheckpointManager (docs/keras.md)")
     if fmt is not None and fmt not in IMPORTS:
         raise cli.CliError(f"--from {args.fmt}: unknown format; give one of "
                            f"{', '.join(IMPORTS)}")
@@ -582,20 +706,34 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise cli.CliError(f"{src}: no such file or directory; check the path")
     if fmt is None:
         fmt = detect(src)
+        if fmt is None and _is_pitstop(src):
+            raise cli.CliError(
+                f"{src}: already a pitstop checkpoint directory, nothing to import; every "
+                "command reads it as it is (pitstop export writes it to another format)")
         if fmt is None:
             raise cli.CliError(f"cannot tell the format of {src}; give --from (one of "
                                f"{', '.join(IMPORTS)})")
-    if args.step is not None and args.step < 0:
-        raise cli.CliError(f"--step {args.step}: steps are integers >= 0")
+    if args.step is not None and not 0 <= args.step <= MAX_STEP:
+        raise cli.CliError(f"--step {args.step}: steps are integers from 0 to {MAX_STEP}")
     if args.key is not None and fmt == "orbax":
         raise cli.CliError("--key is not supported for Orbax imports; import the whole "
                            "checkpoint (pitstop export --key can pick an entry later)")
     _check_dest(dest)
     cli._encryption()
+    if args.keep_prefixes and fmt not in ("torch", "dcp"):
+        raise cli.CliError(f"--keep-prefixes is for torch and dcp imports, not {fmt}")
+    words = _CliWordsFilter()
+    logging.getLogger("pitstop").addFilter(words)
     try:
-        steps = _import(fmt, src, dest, args.step, args.key)
+        steps = _import(fmt, src, dest, args.step, args.key,
+                        strip=() if args.keep_prefixes else ("module.",))
     except CheckpointError as e:
-        raise cli.CliError(cli._one_line(e)) from None
+        text = _cli_words(cli._one_line(e))
+        if fmt == "orbax" and "orbax_options=" in text:
+            text = text.replace("pass its options as orbax_options=", _orbax_steps_hint(src, dest))
+        raise cli.CliError(text) from None
+    finally:
+        logging.getLogger("pitstop").removeFilter(words)
     for step in steps:
         storage, _ = cli._locate(dest, step, None, "import")
         picked, naming = cli._pick_live(storage, step, "import")
@@ -603,6 +741,19 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"imported {len(m.arrays)} arrays ({cli.human_size(m.nbytes)}) from {src} "
               f"as step {step} of {storage.location}")
     return 0
+
+
+def _orbax_steps_hint(src: str, dest: str) -> str:
+    """What a command-line user does with an Orbax manager directory whose steps are named
+    otherwise than by plain numbers (its ``step_prefix``): import each step's directory."""
+    try:
+        names = sorted(n for n in os.listdir(src) if not n.startswith(".")
+                       and "tmp" not in n and os.path.isdir(os.path.join(src, n)))
+    except OSError:
+        names = []
+    one = os.path.join(src, names[0]) if names else os.path.join(src, "STEP_DIR")
+    return (f"import each step's own directory, with its step (pitstop import {one} {dest} "
+            "--step N)")
 
 
 @contextlib.contextmanager
@@ -625,7 +776,8 @@ def _native_stderr_muted() -> Iterator[None]:
         os.close(saved)
 
 
-def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) -> list[int]:
+def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
+            strip: tuple[str, ...] = ("module.",)) -> list[int]:
     """Import ``src`` of format ``fmt``; returns the steps written."""
     if fmt in ("npz", "safetensors"):
         if not os.path.isfile(src):
@@ -640,14 +792,19 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) ->
         except ImportError as e:
             raise _framework_missing(fmt, e) from None
         s = 0 if step is None else step
-        if fmt == "torch":
-            if not os.path.isfile(src):
-                raise _cli().CliError(f"{src}: not a file; a torch.save checkpoint is one file")
-            return [import_torch_save(src, dest, s, key=key)]
-        if not os.path.isdir(src):
-            raise _cli().CliError(f"{src}: not a directory; a DCP checkpoint is a directory "
-                                  "holding .metadata")
-        return [import_dcp(src, dest, s, key=key)]
+        with warnings.catch_warnings():
+            # torch's notes as it rebuilds tensors ("ComplexHalf support is experimental"):
+            # about torch, not the file; the command's answer stays one line
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch(\.|$)")
+            if fmt == "torch":
+                if not os.path.isfile(src):
+                    raise _cli().CliError(f"{src}: not a file; a torch.save checkpoint is "
+                                          "one file")
+                return [import_torch_save(src, dest, s, key=key, strip_prefixes=strip)]
+            if not os.path.isdir(src):
+                raise _cli().CliError(f"{src}: not a directory; a DCP checkpoint is a "
+                                      "directory holding .metadata")
+            return [import_dcp(src, dest, s, key=key, strip_prefixes=strip)]
     if fmt == "tf":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:
@@ -661,7 +818,8 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None) ->
     except ImportError as e:
         raise _framework_missing(fmt, e) from None
     _quiet_absl()
-    return import_orbax(src, dest, step=step)
+    key = _refuse_existing(dest, None)  # an encrypted DEST's key (its steps: import_orbax's)
+    return import_orbax(src, dest, step=step, **({"encryption": key} if key else {}))
 
 
 def _quiet_absl() -> None:

@@ -195,8 +195,11 @@ class Side:
 
 @dataclass
 class Result:
-    only_a: list[str] = field(default_factory=list)
-    only_b: list[str] = field(default_factory=list)
+    #: (key, its type)
+    only_a: list[tuple[str, str]] = field(default_factory=list)
+    only_b: list[tuple[str, str]] = field(default_factory=list)
+    #: (ranks of A, ranks of B) when they differ (None: the same)
+    world: tuple[int, int] | None = None
     changed_type: list[tuple[str, str, str]] = field(default_factory=list)
     arrays: list[tuple[str, str, ArrayDiff]] = field(default_factory=list)
     same_arrays: int = 0
@@ -207,7 +210,7 @@ class Result:
     @property
     def differs(self) -> bool:
         return bool(self.only_a or self.only_b or self.changed_type or self.arrays
-                    or self.values)
+                    or self.values or self.world)
 
 
 def _type_text(e: ArrayEntry) -> str:
@@ -268,18 +271,38 @@ def _open_side(path: str, step: int | None, label: str, newest: int = 0) -> Side
 
 
 def diff(a: Side, b: Side, atol: float | None, rtol: float | None) -> Result:
-    """Compare two open checkpoints (arrays read one pair at a time)."""
+    """Compare two open checkpoints (arrays read one pair at a time). A checkpoint several
+    ranks wrote holds each rank's own state (its RNG stream, its sampler's position): the
+    keys that differ between ranks on either side are compared for every rank, as
+    ``"key (rank r)"``."""
     ma, mb = a.manifest, b.manifest
     res = Result()
-    res.only_a = [k for k in ma.arrays if k not in mb.arrays]
-    res.only_b = [k for k in mb.arrays if k not in ma.arrays]
+    _compare(a, b, ma, mb, atol, rtol, res, None, "")
+    if ma.world != mb.world:
+        res.world = (ma.world, mb.world)
+        return res
+    mine = set(ma.rank_specific()) | set(mb.rank_specific())
+    for r in range(1, ma.world if mine else 1):
+        _compare(a, b, ma.view(r), mb.view(r), atol, rtol, res, mine, f" (rank {r})")
+    return res
+
+
+def _compare(a: Side, b: Side, ma: Manifest, mb: Manifest, atol: float | None,
+             rtol: float | None, res: Result, only: set[str] | None, tag: str) -> None:
+    """Add to ``res`` how views ``ma`` and ``mb`` differ (only the keys ``only``, when
+    given; each key reported with ``tag`` after it)."""
+    def wanted(k: str) -> bool:
+        return only is None or k in only
+
+    only_a = [k for k in ma.arrays if k not in mb.arrays and wanted(k)]
+    only_b = [k for k in mb.arrays if k not in ma.arrays and wanted(k)]
     for key, ea in ma.arrays.items():
         eb = mb.arrays.get(key)
-        if eb is None:
+        if eb is None or not wanted(key):
             continue
         ta, tb = _type_text(ea), _type_text(eb)
         if decode_dtype(ea.dtype) != decode_dtype(eb.dtype) or list(ea.shape) != list(eb.shape):
-            res.changed_type.append((key, ta, tb))
+            res.changed_type.append((key + tag, ta, tb))
             continue
         if _same_stored(ma, ea, mb, eb):
             res.same_arrays += 1
@@ -293,26 +316,29 @@ def diff(a: Side, b: Side, atol: float | None, rtol: float | None) -> Result:
             d = compare_arrays(xa, xb, atol, rtol)
             del xa, xb
         if d.differ:
-            res.arrays.append((key, ta, d))
+            res.arrays.append((key + tag, ta, d))
         else:
             res.same_arrays += 1
     va, vb = ma.values, mb.values
     for key in list(va) + [k for k in vb if k not in va]:
+        if not wanted(key):
+            continue
         if key in ma.arrays or key in mb.arrays:
             # a value on one side, an array on the other
-            res.changed_type.append((key, _type_text(ma.arrays[key]) if key in ma.arrays
-                                     else "value", _type_text(mb.arrays[key])
+            res.changed_type.append((key + tag, _type_text(ma.arrays[key]) if key in
+                                     ma.arrays else "value", _type_text(mb.arrays[key])
                                      if key in mb.arrays else "value"))
-            res.only_a = [k for k in res.only_a if k != key]
-            res.only_b = [k for k in res.only_b if k != key]
+            only_a = [k for k in only_a if k != key]
+            only_b = [k for k in only_b if k != key]
             continue
         ta = _value_text(va[key]) if key in va else "(absent)"
         tb = _value_text(vb[key]) if key in vb else "(absent)"
         if ta == tb:
             res.same_values += 1
         else:
-            res.values.append((key, ta, tb))
-    return res
+            res.values.append((key + tag, ta, tb))
+    res.only_a += [(k + tag, _type_text(ma.arrays[k])) for k in only_a]
+    res.only_b += [(k + tag, _type_text(mb.arrays[k])) for k in only_b]
 
 
 def _streamable(side: Side, entry: ArrayEntry) -> bool:
@@ -391,7 +417,7 @@ def _num(x: float | None) -> str:
 def _context(side: Side) -> str:
     from . import _metric_text
     m = side.manifest
-    world = f", {m.world} ranks (rank 0's view compared)" if m.world > 1 else ""
+    world = f", {m.world} ranks (each rank's own state compared)" if m.world > 1 else ""
     return (f"{side.label}: {side.where} (step {m.step}, {len(m.arrays)} arrays, "
             f"metrics: {_metric_text(m.metrics)}{world})")
 
@@ -422,7 +448,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             "a": {"path": a.where, "step": a.manifest.step, "metrics": encode_value(a.manifest.metrics)},
             "b": {"path": b.where, "step": b.manifest.step, "metrics": encode_value(b.manifest.metrics)},
             "equality": rule, "identical": not res.differs,
-            "only_in_a": res.only_a, "only_in_b": res.only_b,
+            "only_in_a": [k for k, _t in res.only_a],
+            "only_in_b": [k for k, _t in res.only_b],
+            "ranks": {"a": a.manifest.world, "b": b.manifest.world},
             "type_changed": [{"key": k, "a": ta, "b": tb} for k, ta, tb in res.changed_type],
             "arrays": [{"key": k, "type": t, "elements": d.size, "differ": d.differ,
                         "max_abs": _json_num(d.max_abs), "max_rel": _json_num(d.max_rel), "nonfinite": d.nonfinite}
@@ -438,10 +466,13 @@ def cmd_diff(args: argparse.Namespace) -> int:
     out = sys.stdout
     print(_context(a), file=out)
     print(_context(b), file=out)
-    for k in res.only_a:
-        print(f"only in A: {_shown(k)} ({_type_text(a.manifest.arrays[k])})", file=out)
-    for k in res.only_b:
-        print(f"only in B: {_shown(k)} ({_type_text(b.manifest.arrays[k])})", file=out)
+    if res.world is not None:
+        print(f"ranks: A was written by {res.world[0]}, B by {res.world[1]} (rank 0's views "
+              "compared: per-rank state cannot match)", file=out)
+    for k, t in res.only_a:
+        print(f"only in A: {_shown(k)} ({t})", file=out)
+    for k, t in res.only_b:
+        print(f"only in B: {_shown(k)} ({t})", file=out)
     for k, ta, tb in res.changed_type:
         print(f"changed type: {_shown(k)}: {ta} -> {tb}", file=out)
     for k, t, d in res.arrays:
@@ -461,7 +492,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if res.differs:
         parts = [(len(res.arrays), "array(s) differ"), (len(res.changed_type),
                   "changed type or shape"), (len(res.only_a), "only in A"),
-                 (len(res.only_b), "only in B"), (len(res.values), "value(s) differ")]
+                 (len(res.only_b), "only in B"), (len(res.values), "value(s) differ"),
+                 (1 if res.world else 0, "different number of ranks")]
         print("different: " + ", ".join(f"{n} {w}" for n, w in parts if n), file=out)
         return DIFFER
     print("identical", file=out)

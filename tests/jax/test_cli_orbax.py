@@ -63,3 +63,44 @@ def test_diff_assembles_sharded_arrays(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "differs: w (float32 [16, 8]): 1 of 128 elements" in out
     assert "max abs 0.5, max rel " + f"{0.5 / host[9, 3]:.6g}" in out
+
+
+def test_orbax_steps_named_otherwise_say_what_the_command_can_do(tmp_path, capsys):
+    """An Orbax manager with step_prefix="ckpt" (steps ckpt_0007 ...): `pitstop import`
+    told the user to "pass its options as orbax_options=", which no option of the command
+    takes; importing the step's own directory with --step works."""
+    import os
+    mgr = ocp.CheckpointManager(os.fspath(tmp_path / "orb"), options=ocp.CheckpointManagerOptions(
+        step_prefix="ckpt", step_format_fixed_length=4))
+    mgr.save(7, args=ocp.args.StandardSave({"w": np.ones(2)}))
+    mgr.wait_until_finished()
+    mgr.close()
+    rc = main(["import", str(tmp_path / "orb"), str(tmp_path / "back")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "orbax_options" not in err, err
+    assert f"ckpt_0007 {tmp_path / 'back'} --step N" in err, err
+    rc = main(["import", str(tmp_path / "orb" / "ckpt_0007"), str(tmp_path / "back"),
+               "--step", "7"])
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_orbax_import_into_an_encrypted_directory(tmp_path, capsys, monkeypatch):
+    """`pitstop import orbax_run runs/enc` into an encrypted run directory, its key set:
+    "is encrypted; set PITSTOP_ENCRYPTION_KEY to its key" (the npz, torch and TF imports
+    found the directory's key; the Orbax import wrote without one)."""
+    import os
+
+    import pitstop.cli as cli
+    monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
+    monkeypatch.setattr(cli, "_KEY", [])
+    with pitstop.CheckpointManager(tmp_path / "enc", memory_tier=False, async_save=False,
+                                   save_on_signals=None, encryption=pitstop.Encryption()) as mgr:
+        mgr.save(1, {"w": np.ones(2)}).wait()
+    orb = ocp.CheckpointManager(os.fspath(tmp_path / "orb"))
+    orb.save(4, args=ocp.args.StandardSave({"w": np.zeros(2)}))
+    orb.wait_until_finished()
+    orb.close()
+    rc = main(["import", str(tmp_path / "orb"), str(tmp_path / "enc")])
+    out, err = capsys.readouterr()
+    assert (rc, err) == (0, ""), err
+    assert b"encryption" in (tmp_path / "enc" / "step_0000000004" / "manifest.json").read_bytes()

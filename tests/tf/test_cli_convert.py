@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import pitstop
@@ -49,3 +50,39 @@ def test_tf_native_imports_with_its_values_and_save_counter(tmp_path, capsys):
     assert main(["import", str(tmp_path / "tf" / "ckpt-1"), str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pitstop: ") and err.count("\n") == 1 and "ckpt-1" in err
+
+
+def test_tf_import_of_one_key_imports_that_entry_only(tmp_path, capsys):
+    """`pitstop import tfdir runs/a --key w` imported the whole checkpoint: import_native
+    reused its `key` parameter for the destination's encryption key, so --key was dropped
+    (and an encrypted destination would have been given to select() as the key)."""
+    w, n = tf.Variable(np.arange(3, dtype=np.float32)), tf.Variable(np.int64(4))
+    prefix = tf.train.Checkpoint(w=w, n=n).save(str(tmp_path / "tf" / "ckpt"))
+    for dest in ("run", "run"):  # a new directory, then an existing one (another step)
+        rc = main(["import", prefix, str(tmp_path / dest), "--key", "w",
+                   *(["--step", "5"] if (tmp_path / dest).exists() else [])])
+        out, err = capsys.readouterr()
+        assert (rc, err) == (0, ""), err
+        assert out.startswith("imported 1 arrays (12 B)"), out
+    with pitstop.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 5]
+        got = mgr.load(5)
+    np.testing.assert_array_equal(got[".ATTRIBUTES"]["VARIABLE_VALUE"], w.numpy())
+
+
+
+def test_tf_import_into_an_existing_run_directory_at_a_url(tmp_path):
+    """`pitstop import tf_run s3://b/run` into an existing pitstop run directory failed:
+    "names its checkpoints step_<...>, but this manager asks for ckpt-<step>": whether the
+    directory was new was decided by looking for .pitstop/ on the local disk. (A memory://
+    URL stands for the bucket here: the same object-store code, without a server.)"""
+    from pitstop.adapters.tf.convert import import_native
+    url = "memory://tf-probe/run"
+    with pitstop.CheckpointManager(url, memory_tier=False, save_on_signals=None) as mgr:
+        mgr.save(1, {"w": np.ones(2)}).wait()
+    prefix = tf.train.Checkpoint(w=tf.Variable([3.0])).save(str(tmp_path / "tf" / "ckpt"))
+    assert import_native(prefix, url, 2) == 2
+    with pitstop.CheckpointManager(url, read_only=True) as mgr:
+        assert mgr.all_steps() == [1, 2]
+    with pytest.raises(pitstop.StepExistsError):
+        import_native(prefix, url, 2)

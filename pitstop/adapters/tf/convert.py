@@ -141,23 +141,22 @@ def import_native(prefix: str | os.PathLike[str], directory: str | os.PathLike[s
     if step is None:
         step = _save_counter(tree) or 0
     target = os.fspath(directory)
-    fresh = not os.path.isdir(os.path.join(target, ".pitstop"))
-    key = None
-    if not fresh:
-        # (read-only: an encrypted directory's key comes from PITSTOP_ENCRYPTION_KEY)
-        reader = CheckpointManager(target, read_only=True, save_on_signals=None)
-        try:
-            exists = step in reader.all_steps()
-            key = reader.encryption
-        finally:
-            reader.close()
-        if exists:
-            raise StepExistsError(
-                f"{target} already has a checkpoint of step {step}; pitstop never overwrites "
-                "one: import under another step, into another directory, or delete it first")
+    # (read-only: an encrypted directory's key comes from PITSTOP_ENCRYPTION_KEY; a URL's
+    # directory is looked up in its store, a path's on disk)
+    reader = CheckpointManager(target, read_only=True, save_on_signals=None)
+    try:
+        fresh = not reader.directory_id  # no .pitstop/directory.json yet
+        exists = step in reader.all_steps()
+        encryption = reader.encryption
+    finally:
+        reader.close()
+    if exists:
+        raise StepExistsError(
+            f"{target} already has a checkpoint of step {step}; pitstop never overwrites "
+            "one: import under another step, into another directory, or delete it first")
     naming = {"step_prefix": "ckpt-", "step_digits": 0} if fresh else {}
     mgr = CheckpointManager(target, async_save=False, save_on_signals=None, memory_tier=False,
-                            encryption=key, **naming)  # type: ignore[arg-type]
+                            encryption=encryption, **naming)  # type: ignore[arg-type]
     try:
         mgr.save(step, select(tree, key, source), metrics).wait()
     finally:

@@ -248,6 +248,7 @@ def _unwrap_module_keys(obj: Any, strip: Sequence[str] | str, what: str, key: st
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_ALLOWLIST_ADVICE = re.compile(r"\s*Please use `?torch\.serialization\.add_safe_globals.*$")
 
 
 def _reason(e: BaseException) -> str:
@@ -256,7 +257,9 @@ def _reason(e: BaseException) -> str:
     lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
     for ln in lines:
         if ln.startswith("WeightsUnpickler error:"):
-            return ln[len("WeightsUnpickler error:"):].strip()
+            # without torch's "Please use torch.serialization.add_safe_globals([...]) ...
+            # to allowlist this global": pitstop's import takes no allow-list
+            return _ALLOWLIST_ADVICE.sub("", ln[len("WeightsUnpickler error:"):]).strip()
     for ln in lines:  # a global of a module torch blocks outright (os, posix, subprocess...)
         if "GLOBAL" in ln:
             return ln
