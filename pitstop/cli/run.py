@@ -10,7 +10,8 @@ and waits for it:
   back-off that doubles after each failure (capped) and starts again from ``--backoff``
   after a run that committed a new checkpoint, at most ``--max-restarts`` times;
   ``--crash-loop`` failures in a row without a new committed step stop it early;
-- SIGTERM / SIGINT / SIGHUP / SIGQUIT to the supervisor: forwarded to the job's first
+- SIGTERM / SIGINT / SIGHUP / SIGQUIT to the supervisor: forwarded (SIGHUP, a terminal that
+  hung up, as SIGTERM, on which pitstop saves) to the job's first
   process, and to the rest of its process group (DataLoader workers, children) once that
   has exited (``--forward group``: to all at once), so pitstop's handler in the job saves
   before it exits; never restarted after that; ``--grace`` seconds later (or at a second
@@ -598,6 +599,10 @@ class Supervisor:
                     os.kill(pgid, signum)  # the leader's pid is the group's id
                 say(f"{name} forwarded to the job's first process ({pgid})")
             elif self.stopping is None:
+                if signum == signal.SIGHUP:
+                    # the terminal hung up (an SSH session dropped): the job has no terminal
+                    # of its own and pitstop saves on SIGTERM, so it gets SIGTERM
+                    signum, name = signal.SIGTERM, "SIGHUP (the terminal hung up), as SIGTERM,"
                 self.stopping = signum
                 self.stop_deadline = time.monotonic() + self.grace
                 wait = ("" if math.isinf(self.grace) else f"up to {self.grace:g} s ") + \

@@ -246,9 +246,6 @@ def test_a_stalled_object_store_does_not_hold_up_the_job(tmp_path, capfd, monkey
     assert "not known (s3://bucket/run cannot be read here" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="SIGHUP (the terminal closed, an SSH session dropped) "
-                   "is forwarded as is; pitstop saves on SIGTERM/SIGINT by default, so the job "
-                   "dies without its save while pitstop run says it waits for it to save")
 def test_sighup_to_the_supervisor_gets_the_job_saved(tmp_path):
     job = ("import os, sys, time, numpy as np, pitstop\n"
            "m = pitstop.CheckpointManager(sys.argv[1], save_every_steps=1000)\n"
@@ -266,3 +263,5 @@ def test_sighup_to_the_supervisor_gets_the_job_saved(tmp_path):
         if p.poll() is None:
             p.kill()
     assert len(list((tmp_path / "ckpt").glob("step_*"))) == 2, err  # step 0 and the signal's
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "SIGHUP (the terminal hung up), as SIGTERM, forwarded" in err, err
