@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.arguments import MAX_STEP
 from ..core.dtypes import ML_DTYPES
 from ..core.errors import CheckpointError, CorruptCheckpointError
 from ..core.tree import decode_value, encode_value, join, split, unflatten
@@ -45,8 +46,6 @@ IMPORTS = ("torch", "dcp", "tf", "orbax", "safetensors", "npz")
 _EXT = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt", "orbax": "-orbax"}
 _ML_BY_DTYPE = {v: k for k, v in ML_DTYPES.items()}
 _TORCH_EXTRA = "pip install 'pitstop[torch]'"
-#: the largest step a run directory's index (.pitstop/index.json) holds: 18 digits
-MAX_STEP = 10 ** 18 - 1
 
 EXPORT_EPILOG = """\
 formats: npz (numpy only), safetensors and torch (need torch), orbax (needs jax and

@@ -109,10 +109,14 @@ def check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:
                                    f"got {type(on_save).__name__}")
 
 
+#: the largest step a checkpoint directory records (its index holds at most 18 digits)
+MAX_STEP = 10 ** 18 - 1
+
+
 def step_arg(step: Any) -> int:
     """A step as a Python int: ints and integral numpy (or framework) scalars; never a bool,
-    a float or a string."""
-    if type(step) is int and step >= 0:  # the per-step fast path
+    a float or a string, nor more than :data:`MAX_STEP`."""
+    if type(step) is int and 0 <= step <= MAX_STEP:  # the per-step fast path
         return step
     if isinstance(step, bool) or isinstance(step, (float, str, bytes)) or step is None:
         raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
@@ -123,6 +127,10 @@ def step_arg(step: Any) -> int:
             f"step must be a non-negative int, got {type(step).__name__} {step!r}") from None
     if value < 0:
         raise InvalidArgumentError(f"step must be a non-negative int, got {value}")
+    if value > MAX_STEP:
+        raise InvalidArgumentError(
+            f"step {value} is larger than a checkpoint directory records (at most {MAX_STEP}, "
+            "18 digits); count steps from 0 (a global step, not a timestamp in nanoseconds)")
     return value
 
 

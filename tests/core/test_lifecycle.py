@@ -361,8 +361,10 @@ def test_a_read_only_file_system_is_a_checkpoint_error(tmp_path):
     lambda m: m.restore(state_of(1), step=4.0),
     lambda m: m.metadata("4"),
     lambda m: m.load(step="1"),
+    lambda m: m.save(10 ** 20, state_of(1)),
+    lambda m: m.step(np.int64(10 ** 18), state_of(1)),
 ], ids=["step-str", "step-none", "step-negative", "save-bool", "save-float", "restore-float",
-        "metadata-str", "load-str"])
+        "metadata-str", "load-str", "save-too-large", "step-too-large"])
 def test_bad_steps_are_value_errors(tmp_path, call):
     with open_mgr(tmp_path / "ckpt") as mgr:
         mgr.save(1, state_of(1)).wait()
