@@ -1,0 +1,101 @@
+"""Probes of `pitstop ls`'s retention column: what it says the next save keeps or deletes is
+what retention does when one more checkpoint is saved (randomized; the seed is printed)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import numpy as np
+
+import pitstop
+from pitstop.cli import main
+
+
+def open_mgr(d, **kw) -> pitstop.CheckpointManager:
+    return pitstop.CheckpointManager(d, memory_tier=False, save_on_signals=None, **kw)
+
+
+def statuses(capsys, d) -> dict[int, str]:
+    """step -> STATUS of each committed row of `pitstop ls d`."""
+    capsys.readouterr()  # (what the saves before said)
+    assert main(["ls", str(d)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "", err
+    got = {}
+    for line in out.splitlines():
+        cells = line.lstrip("* ").split("  ")
+        if cells[0].strip().isdigit() and "moved aside" not in line and \
+                "incomplete" not in line:
+            got[int(cells[0])] = line
+    return got
+
+
+def committed(d) -> set[int]:
+    return {int(n[5:]) for n in os.listdir(d) if n.startswith("step_") and n[5:].isdigit()}
+
+
+BIG = np.arange(32, dtype=np.float32)
+
+
+def policy(rng: random.Random) -> dict:
+    kw: dict = {}
+    while not kw:
+        if rng.random() < 0.6:
+            kw["keep_last"] = rng.randint(1, 3)
+        if rng.random() < 0.4:
+            kw["keep_every_steps"] = rng.choice([2, 3, 5])
+        if rng.random() < 0.5:
+            kw.update(keep_best=rng.randint(1, 2), best_metric="loss",
+                      best_mode=rng.choice(["min", "max"]))
+    return kw
+
+
+def test_ls_predicts_what_the_next_save_keeps(tmp_path, capsys):
+    seed = int(os.environ.get("PITSTOP_PROBE_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    for trial in range(8):
+        d = tmp_path / f"t{trial}"
+        first, second = policy(rng), policy(rng)
+        incremental = rng.random() < 0.4
+        guard = rng.random() < 0.3
+        step = 0
+
+        def save(mgr, metrics=None):
+            nonlocal step
+            step += rng.randint(1, 3)
+            if metrics is None:
+                metrics = {}
+                r = rng.random()
+                if r < 0.7:
+                    metrics["loss"] = rng.choice([rng.random(), 0.5])
+                elif r < 0.8:
+                    metrics["loss"] = math.nan
+            state = {"big": BIG if rng.random() < 0.7 else BIG + step,
+                     "w": np.full(4, step, np.float32)}
+            mgr.save(step, state, metrics=metrics).wait()
+
+        with open_mgr(d, incremental=incremental, nonfinite_guard=guard, **first) as mgr:
+            for _ in range(rng.randint(2, 7)):
+                save(mgr)
+        if rng.random() < 0.3:  # a rollback: the newer checkpoints are abandoned
+            back = sorted(committed(d))
+            with open_mgr(d, incremental=incremental, nonfinite_guard=guard, **first) as mgr:
+                mgr.restore({"big": BIG.copy(), "w": np.zeros(4, np.float32)},
+                            step=back[len(back) // 2])
+                step = back[len(back) // 2]
+                save(mgr)
+        # the next writer, with its own policy: recorded when it opens, before it saves
+        with open_mgr(d, incremental=incremental, nonfinite_guard=guard, **second) as mgr:
+            said = statuses(capsys, d)
+            ctx = f"seed {seed} trial {trial}: {first} then {second}, inc={incremental}, " \
+                  f"guard={guard}: ls said {said}"
+            assert set(said) == committed(d), ctx
+            save(mgr, metrics={})  # no loss: it cannot outrank a kept best
+        kept = committed(d)
+        for s, line in said.items():
+            if "deleted at the next save" in line or "until the next save" in line:
+                assert s not in kept, f"{ctx}; step {s} survived the next save"
+            else:
+                assert s in kept, f"{ctx}; step {s} was deleted by the next save"
