@@ -622,6 +622,10 @@ def _retention(storage: Storage) -> _Retention:
     except (OSError, ValueError, RecursionError):
         doc = None
     record = doc.get("retention") if isinstance(doc, dict) else None
+    if record is not None and not isinstance(record, list):
+        return _Retention(None, [], f"retention: not understood ({_short(record, 40)}: written "
+                          "by a newer pitstop, or edited by hand); its writer records its own "
+                          "when it opens the directory")
     if not isinstance(record, list):
         return _Retention(None, [], "retention: policy unknown (the directory records none: "
                           "written by an older pitstop, or not opened by a writer since)")
@@ -657,7 +661,7 @@ def _retention(storage: Storage) -> _Retention:
                 raise TypeError
         except (InvalidArgumentError, TypeError, KeyError, ValueError):
             custom.append(_short(item, 40))
-            said.append(custom[-1])
+            said.append(f"{custom[-1]} (not understood)")
     summary = ", ".join(said) if said else "none (keeps every checkpoint)"
     return _Retention(policies, custom, f"retention: {summary}")
 

@@ -99,3 +99,23 @@ def test_ls_predicts_what_the_next_save_keeps(tmp_path, capsys):
                 assert s not in kept, f"{ctx}; step {s} survived the next save"
             else:
                 assert s in kept, f"{ctx}; step {s} was deleted by the next save"
+
+
+def test_ls_says_a_retention_record_it_cannot_read_in_one_line(tmp_path, capsys):
+    import json
+    d = tmp_path / "run"
+    with open_mgr(d, keep_last=1) as mgr:
+        mgr.save(1, {"w": np.zeros(4, np.float32)}).wait()
+    ident = d / ".pitstop" / "directory.json"
+    doc = json.loads(ident.read_text())
+    for record, said in (({"keep_last": 2}, "retention: not understood ({\"keep_last\":2}"),
+                         ([{"keep_last": -1}, {"keep_last": 3}],
+                          "retention: {\"keep_last\":-1} (not understood), keep_last=3")):
+        ident.write_text(json.dumps({**doc, "retention": record}))
+        capsys.readouterr()
+        assert main(["ls", str(d)]) == 0
+        out, err = capsys.readouterr()
+        assert err == "" and out.splitlines()[1].startswith(said), out
+    with open_mgr(d, keep_last=1) as mgr:  # the writer records its own again
+        mgr.save(2, {"w": np.zeros(4, np.float32)}).wait()
+    assert json.loads(ident.read_text())["retention"] == [{"keep_last": 1}]
