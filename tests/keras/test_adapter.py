@@ -151,3 +151,17 @@ def test_bfloat16_variables_round_trip(manager) -> None:
     mgr.restore({"v": w})
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.cast(w, "float32")),
                                   keras.ops.convert_to_numpy(keras.ops.cast(v, "float32")))
+
+
+def test_the_manifest_names_keras_and_its_backend(manager) -> None:
+    """inspect's "written by": Keras and the backend that ran it, on every backend (on
+    TensorFlow the model is captured as a trackable, which must not hide Keras)."""
+    import json
+    model = make("sequential")
+    mgr = manager()
+    mgr.save(1, {"model": model}).wait()
+    with open(f"{mgr.directory}/step_0000000001/manifest.json") as f:
+        doc = json.load(f)
+    frameworks = doc["writer"]["frameworks"]
+    assert frameworks["keras"] == keras.__version__, frameworks
+    assert frameworks["keras.backend"] == BACKEND, frameworks
