@@ -119,3 +119,21 @@ def test_ls_says_a_retention_record_it_cannot_read_in_one_line(tmp_path, capsys)
     with open_mgr(d, keep_last=1) as mgr:  # the writer records its own again
         mgr.save(2, {"w": np.zeros(4, np.float32)}).wait()
     assert json.loads(ident.read_text())["retention"] == [{"keep_last": 1}]
+
+
+
+class KeepLastEven(pitstop.KeepLast):
+    """A user's policy built on pitstop's KeepLast: its own keep(), not KeepLast's."""
+
+    def keep(self, checkpoints):
+        return {c.step for c in checkpoints if c.step % 2 == 0}
+
+
+def test_ls_does_not_take_a_subclass_of_keep_last_for_keep_last(tmp_path, capsys):
+    d = tmp_path / "run"
+    with open_mgr(d, retention=[KeepLastEven(1)]) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": np.zeros(4, np.float32)}).wait()
+    said = statuses(capsys, d)
+    assert sorted(said) == [2, 3]  # 1: deleted by the user's policy
+    assert f"kept unless {__name__}.KeepLastEven deletes it" in said[2], said
