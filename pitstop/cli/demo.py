@@ -18,8 +18,10 @@ A child reports to the demo on stdout, one line each: ``pid N``, ``restored STEP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import shutil
 import signal
@@ -153,7 +155,22 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return _interruptible(work, args, keep=True)
     with tempfile.TemporaryDirectory(prefix="pitstop-demo-") as work:
-        return _interruptible(work, args, keep=False)
+        try:
+            return _interruptible(work, args, keep=False)
+        finally:
+            _drop_memory_tier(os.path.join(work, "checkpoints"))
+
+
+def _drop_memory_tier(ckpt: str) -> None:
+    """Remove the memory-tier files (/dev/shm) of the temporary checkpoint directory: a
+    snapshot kept for a restart (the killed process's, when Ctrl+C came before the restart
+    took it over) would otherwise outlive the directory it belongs to."""
+    if not os.path.isdir(os.path.join(ckpt, ".pitstop")):
+        return
+    from . import main
+    with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        main(["gc", "--drop-recoverable", ckpt])
 
 
 def _interruptible(work: str, args: argparse.Namespace, keep: bool) -> int:

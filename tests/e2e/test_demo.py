@@ -80,3 +80,37 @@ def test_a_missing_framework_names_the_extra(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("pitstop demo: --framework tf needs tensorflow, which is not "
                            "installed: pip install 'pitstop[tf]'")
+
+
+def test_ctrl_c_after_the_kill_leaves_nothing_in_dev_shm(tmp_path):
+    """Ctrl+C right after the demo killed its training process: the killed process's
+    memory-tier snapshot (kept for a restart) must not outlive the temporary directory."""
+    import hashlib
+    import signal
+    if not os.access("/dev/shm", os.W_OK):
+        import pytest
+        pytest.skip("no writable /dev/shm: no memory tier")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
+        start_new_session=True)
+    try:
+        lines = []
+        for line in p.stdout:  # noqa: B007 - up to the kill
+            lines.append(line)
+            if "kill -9" in line:
+                break
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = "".join(lines) + out
+    assert p.returncode == 130 and "Traceback" not in err, text + err
+    ckpt = re.search(r"in (\S+/checkpoints) \(a temporary directory\)", text).group(1)
+    assert not os.path.exists(ckpt)
+    where = hashlib.sha1(os.path.realpath(ckpt).encode()).hexdigest()[:8]
+    left = [n for n in os.listdir("/dev/shm") if f"-{where}-" in n]
+    assert left == [], f"{left} of {ckpt}: {text}{err}"
