@@ -134,9 +134,16 @@ def run(args: argparse.Namespace) -> int:
     args.save_every = every if args.save_every is None else args.save_every
     if args.child:
         return _trainer(args.framework).train(ChildRun.from_args(args))
-    if args.save_every < 1 or args.steps < 3 * args.save_every:
-        print("pitstop demo: --steps must be at least 3 x --save-every (and --save-every "
-              "at least 1)", file=sys.stderr)
+    if args.save_every < 1 or args.steps <= 3 * args.save_every:
+        # (the kill comes once step 2 x --save-every or later has committed, and the run
+        # must then still have a whole interval to train, in which it waits to be killed)
+        print("pitstop demo: --steps must be more than 3 x --save-every (and --save-every "
+              f"at least 1), got --steps {args.steps} --save-every {args.save_every}",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.seed < 2**32:
+        print(f"pitstop demo: --seed must be 0 to {2**32 - 1}, got {args.seed}",
+              file=sys.stderr)
         return 2
     missing = _missing(args.framework)
     if missing:

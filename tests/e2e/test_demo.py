@@ -74,6 +74,18 @@ def test_demo_refuses_a_non_empty_directory(tmp_path, capsys):
     assert "not an empty directory" in err and len(err.strip().splitlines()) == 1
 
 
+def test_arguments_the_demo_cannot_run_with_are_one_line(capsys):
+    # --steps 30 --save-every 10: the kill waits for step 20's checkpoint, and the training
+    # (steps 0-29) could finish before it, failing the demo at random; a negative seed
+    # failed in the training process as "internal error ... a bug in pitstop"
+    for argv in (["--steps", "30", "--save-every", "10"], ["--steps", "3", "--save-every", "1"],
+                 ["--seed", "-1"], ["--seed", str(2**32)]):
+        assert main(["demo", "--framework", "numpy", *argv]) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, (argv, err)
+        assert err.startswith("pitstop demo: --s"), err
+
+
 def test_a_missing_framework_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # as if not installed
     assert main(["demo", "--framework", "tf"]) == 2
