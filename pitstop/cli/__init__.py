@@ -1055,6 +1055,8 @@ def _written_by(writer: dict[str, Any]) -> str:
         if name == "keras" and backend is not None:
             text += f" ({_shown(backend)} backend)"
         parts.append(text)
+    if not parts:  # (a backend alone names no framework)
+        return f"{who} (frameworks not recorded)"
     return f"{', '.join(parts)} ({who})"
 
 

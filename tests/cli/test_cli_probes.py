@@ -1,5 +1,6 @@
-"""Probes of `pitstop ls`'s retention column: what it says the next save keeps or deletes is
-what retention does when one more checkpoint is saved (randomized; the seed is printed)."""
+"""Probes of `pitstop ls` and `inspect`: what ls's retention column says the next save keeps
+or deletes is what retention does when one more checkpoint is saved (randomized; the seed is
+printed); records it cannot read are said in one line."""
 
 from __future__ import annotations
 
@@ -137,3 +138,22 @@ def test_ls_does_not_take_a_subclass_of_keep_last_for_keep_last(tmp_path, capsys
     said = statuses(capsys, d)
     assert sorted(said) == [2, 3]  # 1: deleted by the user's policy
     assert f"kept unless {__name__}.KeepLastEven deletes it" in said[2], said
+
+
+def test_inspect_with_a_writer_record_naming_no_framework(tmp_path, capsys):
+    """A manifest (unsealed 1.0, edited) whose frameworks name only a Keras backend: no
+    empty "written by:" line."""
+    import json
+    d = tmp_path / "run"
+    with open_mgr(d) as mgr:
+        mgr.save(1, {"w": np.zeros(4, np.float32)}).wait()
+    path = d / "step_0000000001" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc.pop("manifest_hash")
+    doc["format_version"] = "1.0"
+    doc["writer"]["frameworks"] = {"keras.backend": "jax"}
+    path.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["inspect", str(d)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "written by:" in ln)
+    assert line.startswith("  written by: pitstop ") and "frameworks not recorded" in line, line
