@@ -63,7 +63,7 @@ def test_ls_predicts_what_the_next_save_keeps(tmp_path, capsys):
         guard = rng.random() < 0.3
         step = 0
 
-        def save(mgr, metrics=None):
+        def save(mgr, metrics=None, guard=guard):
             nonlocal step
             step += rng.randint(1, 3)
             if metrics is None:
@@ -73,8 +73,10 @@ def test_ls_predicts_what_the_next_save_keeps(tmp_path, capsys):
                     metrics["loss"] = rng.choice([rng.random(), 0.5])
                 elif r < 0.8:
                     metrics["loss"] = math.nan
-            state = {"big": BIG if rng.random() < 0.7 else BIG + step,
-                     "w": np.full(4, step, np.float32)}
+            w = np.full(4, step, np.float32)
+            if metrics and guard and rng.random() < 0.2:
+                w[1] = np.nan  # (a non-finite save: the newest all-finite one is kept)
+            state = {"big": BIG if rng.random() < 0.7 else BIG + step, "w": w}
             mgr.save(step, state, metrics=metrics).wait()
 
         with open_mgr(d, incremental=incremental, nonfinite_guard=guard, **first) as mgr:
