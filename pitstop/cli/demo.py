@@ -111,6 +111,10 @@ def _missing(framework: str) -> str | None:
         needs.append(("optax", "jax"))
     if framework == "keras":
         backend = _keras_backend()
+        if backend not in ("jax", "torch", "tensorflow"):  # (numpy, openvino: no training)
+            return (f"pitstop demo: --framework keras trains on the jax, torch or tensorflow "
+                    f"Keras backend, not KERAS_BACKEND={backend}; set KERAS_BACKEND to one "
+                    "of those")
         needs.append({"tensorflow": ("tensorflow", "tf")}.get(backend, (backend, backend)))
     for module, extra in needs:
         if importlib.util.find_spec(module) is None:

@@ -86,6 +86,19 @@ def test_arguments_the_demo_cannot_run_with_are_one_line(capsys):
         assert err.startswith("pitstop demo: --s"), err
 
 
+def test_a_keras_backend_the_demo_cannot_train_on_is_one_line(monkeypatch, capsys):
+    # KERAS_BACKEND=numpy trains nothing (Keras's numpy backend has no train_on_batch: "a bug
+    # in pitstop" from the training process); a misspelt one was "pip install
+    # 'pitstop[nonsense]'"
+    for backend in ("numpy", "nonsense"):
+        monkeypatch.setenv("KERAS_BACKEND", backend)
+        assert main(["demo", "--framework", "keras"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.strip() == (
+            f"pitstop demo: --framework keras trains on the jax, torch or tensorflow Keras "
+            f"backend, not KERAS_BACKEND={backend}; set KERAS_BACKEND to one of those"), err
+
+
 def test_a_missing_framework_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # as if not installed
     assert main(["demo", "--framework", "tf"]) == 2
