@@ -139,3 +139,32 @@ def test_ctrl_c_after_the_kill_leaves_nothing_in_dev_shm(tmp_path):
     where = hashlib.sha1(os.path.realpath(ckpt).encode()).hexdigest()[:8]
     left = [n for n in os.listdir("/dev/shm") if f"-{where}-" in n]
     assert left == [], f"{left} of {ckpt}: {text}{err}"
+
+
+def test_sigterm_to_the_demo_alone_stops_it_cleanly(tmp_path):
+    """`kill PID` of the demo (a job scheduler, a closed ssh session: SIGTERM or SIGHUP to it
+    alone, not its children): it stops its training processes and removes its temporary
+    directory, instead of dying with both left behind."""
+    import signal
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
+        start_new_session=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("2. the run with pitstop"):
+                break
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "pitstop demo: stopped by SIGTERM", err
+    assert "Traceback" not in err
+    left = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(p.pid)], capture_output=True,
+                          text=True).stdout.split("\n")
+    assert not [ln for ln in left if ln.strip() and "Z" not in ln.split()[1]], left
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("pitstop-demo-")]
