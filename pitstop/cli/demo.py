@@ -221,7 +221,8 @@ def _holding_signals() -> Iterator[None]:
 
 
 def _interruptible(work: str, args: argparse.Namespace, keep: bool) -> int:
-    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         return orchestrate(work, args, keep)
     except _Stopped as e:
