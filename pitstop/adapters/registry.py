@@ -174,6 +174,9 @@ def frameworks_of(adapters: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     names: list[str] = []
     for a in adapters:
+        if isinstance(a, str):  # a framework an adapter captured for another (keras)
+            names.extend(m for m in _FRAMEWORK_MODULES.get(a, ()) if m not in names)
+            continue
         parts = type(a).__module__.split(".")
         if len(parts) > 2 and parts[:2] == ["pitstop", "adapters"]:
             names.extend(m for m in _FRAMEWORK_MODULES.get(parts[2], ()) if m not in names)

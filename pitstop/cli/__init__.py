@@ -632,6 +632,10 @@ def _retention(storage: Storage) -> _Retention:
     except (OSError, ValueError, RecursionError):
         doc = None
     record = doc.get("retention") if isinstance(doc, dict) else None
+    if record is not None and not isinstance(record, list):
+        return _Retention(None, [], f"retention: not understood ({_short(record, 40)}: written "
+                          "by a newer pitstop, or edited by hand); its writer records its own "
+                          "when it opens the directory")
     if not isinstance(record, list):
         return _Retention(None, [], "retention: policy unknown (the directory records none: "
                           "written by an older pitstop, or not opened by a writer since)")
@@ -667,23 +671,53 @@ def _retention(storage: Storage) -> _Retention:
                 raise TypeError
         except (InvalidArgumentError, TypeError, KeyError, ValueError):
             custom.append(_short(item, 40))
-            said.append(custom[-1])
+            said.append(f"{custom[-1]} (not understood)")
     summary = ", ".join(said) if said else "none (keeps every checkpoint)"
     return _Retention(policies, custom, f"retention: {summary}")
 
 
 def _retention_status(ret: _Retention, infos: dict[int, Any], aside_refs: dict[str, Any],
                       naming: Naming) -> dict[int, str]:
-    """For each committed step, whether the next retention pass (after the next save) keeps
-    it and why, as the writer's retention decides (:func:`pitstop.core.policy.to_delete`,
-    then what incremental checkpoints reference); {} when the policy is unknown."""
+    """For each committed step, whether the next retention pass keeps it and why. That pass
+    runs after the next save commits, so it is evaluated on these checkpoints plus a newer
+    one (no metrics: it outranks no kept best), as the writer's retention decides
+    (:func:`pitstop.core.policy.to_delete`, then what incremental checkpoints reference):
+    one the ``keep_last`` window keeps now but not then is "kept until the next save";
+    {} when the policy is unknown."""
+    from ..core.policy import CheckpointInfo
     if ret.policies is None or not infos:
         return {}
     if not ret.policies and not ret.custom:
         return {s: "kept: no retention" for s in infos}
+    now = _retention_pass(ret, infos, aside_refs, naming)
+    mine = [c for c in infos.values() if c.ours]
+    newest = max(infos)
+    finite = None if not mine else max(mine, key=lambda c: c.step).all_finite
+    nxt = dict(infos)
+    # (the next save: ours, and finite when the run checks it; what it will reference is
+    # not known, so a checkpoint only it would keep is said deleted, never the reverse)
+    nxt[newest + 1] = CheckpointInfo(newest + 1, {}, ours=True,
+                                     all_finite=None if finite is None else True)
+    then = _retention_pass(ret, nxt, aside_refs, naming)
+    out: dict[int, str] = {}
+    for s in infos:
+        if then[s] is None:
+            out[s] = "deleted at the next save" if now[s] is None else \
+                f"kept until the next save ({now[s]})"
+        elif ret.custom and then[s] == "":
+            out[s] = f"kept unless {ret.custom[0]} deletes it"
+        else:
+            out[s] = f"kept: {then[s]}"
+    return out
+
+
+def _retention_pass(ret: _Retention, infos: dict[int, Any], aside_refs: dict[str, Any],
+                    naming: Naming) -> dict[int, str | None]:
+    """One retention pass over ``infos``: step -> why it is kept, "" when only a policy ls
+    cannot evaluate may delete it, None when it is deleted."""
     mine = [c for c in infos.values() if c.ours]
     why: dict[int, list[str]] = {s: [] for s in infos}
-    for policy, label in ret.policies:
+    for policy, label in ret.policies or ():
         for s in policy.keep(mine):
             why[s].append(label)
     newest = max(infos)
@@ -698,23 +732,23 @@ def _retention_status(ret: _Retention, infos: dict[int, Any], aside_refs: dict[s
             why[s].append("protected")
         if not why[s] and not c.ours:
             why[s].append("not written by this directory's runs")
-    out = {s: "kept: " + ", ".join(r) for s, r in why.items() if r}
+    out: dict[int, str | None] = {s: ", ".join(r) for s, r in why.items() if r}
     remaining = set(infos)
     for s in sorted((s for s in infos if not why[s]), reverse=True):
         if ret.custom:
-            out[s] = f"kept unless {ret.custom[0]} deletes it"
+            out[s] = ""
             continue
         users = sorted(t for t in remaining if t != s and s in (infos[t].refs or ()))
         if users:
-            out[s] = f"kept: referenced by step {', '.join(map(str, users))}"
+            out[s] = f"referenced by step {', '.join(map(str, users))}"
             continue
         name = naming.name(s)
         held = sorted(a for a, refs in aside_refs.items() if name in refs)
         if held:
-            out[s] = f"kept: referenced by {', '.join(held)}"
+            out[s] = f"referenced by {', '.join(held)}"
             continue
         remaining.discard(s)
-        out[s] = "deleted at the next save"
+        out[s] = None
     return out
 
 
@@ -1031,6 +1065,8 @@ def _written_by(writer: dict[str, Any]) -> str:
         if name == "keras" and backend is not None:
             text += f" ({_shown(backend)} backend)"
         parts.append(text)
+    if not parts:  # (a backend alone names no framework)
+        return f"{who} (frameworks not recorded)"
     return f"{', '.join(parts)} ({who})"
 
 

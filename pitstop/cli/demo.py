@@ -18,8 +18,10 @@ A child reports to the demo on stdout, one line each: ``pid N``, ``restored STEP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import shutil
 import signal
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +111,10 @@ def _missing(framework: str) -> str | None:
         needs.append(("optax", "jax"))
     if framework == "keras":
         backend = _keras_backend()
+        if backend not in ("jax", "torch", "tensorflow"):  # (numpy, openvino: no training)
+            return (f"pitstop demo: --framework keras trains on the jax, torch or tensorflow "
+                    f"Keras backend, not KERAS_BACKEND={backend}; set KERAS_BACKEND to one "
+                    "of those")
         needs.append({"tensorflow": ("tensorflow", "tf")}.get(backend, (backend, backend)))
     for module, extra in needs:
         if importlib.util.find_spec(module) is None:
@@ -132,9 +138,16 @@ def run(args: argparse.Namespace) -> int:
     args.save_every = every if args.save_every is None else args.save_every
     if args.child:
         return _trainer(args.framework).train(ChildRun.from_args(args))
-    if args.save_every < 1 or args.steps < 3 * args.save_every:
-        print("pitstop demo: --steps must be at least 3 x --save-every (and --save-every "
-              "at least 1)", file=sys.stderr)
+    if args.save_every < 1 or args.steps <= 3 * args.save_every:
+        # (the kill comes once step 2 x --save-every or later has committed, and the run
+        # must then still have a whole interval to train, in which it waits to be killed)
+        print("pitstop demo: --steps must be more than 3 x --save-every (and --save-every "
+              f"at least 1), got --steps {args.steps} --save-every {args.save_every}",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.seed < 2**32:
+        print(f"pitstop demo: --seed must be 0 to {2**32 - 1}, got {args.seed}",
+              file=sys.stderr)
         return 2
     missing = _missing(args.framework)
     if missing:
@@ -152,16 +165,75 @@ def run(args: argparse.Namespace) -> int:
             print(f"pitstop demo: cannot create {work}: {e.strerror}", file=sys.stderr)
             return 2
         return _interruptible(work, args, keep=True)
-    with tempfile.TemporaryDirectory(prefix="pitstop-demo-") as work:
-        return _interruptible(work, args, keep=False)
+    # (a training process being stopped may still remove a file of its own meanwhile)
+    with tempfile.TemporaryDirectory(prefix="pitstop-demo-", ignore_cleanup_errors=True) \
+            as work:
+        try:
+            return _interruptible(work, args, keep=False)
+        finally:
+            _drop_memory_tier(os.path.join(work, "checkpoints"))
+
+
+def _drop_memory_tier(ckpt: str) -> None:
+    """Remove the memory-tier files (/dev/shm) of the temporary checkpoint directory: a
+    snapshot kept for a restart (the killed process's, when Ctrl+C came before the restart
+    took it over) would otherwise outlive the directory it belongs to."""
+    if not os.path.isdir(os.path.join(ckpt, ".pitstop")):
+        return
+    from . import main
+    with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        main(["gc", "--drop-recoverable", ckpt])
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the demo (``kill PID``, a closed session): stop as on Ctrl+C,
+    the training processes included, and remove the temporary directory."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: while a process starts (its Popen and the bookkeeping that lets it be stopped): a
+#: SIGTERM or SIGHUP then is held here and raised right after, never in between
+_starting: list[int] = []
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    if _starting:
+        _starting.append(signum)
+        return
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _holding_signals() -> Iterator[None]:
+    """Around a process's start and the assignment that lets the demo stop it."""
+    _starting.append(0)
+    try:
+        yield
+    finally:
+        held = [s for s in _starting[1:] if s]
+        _starting.clear()
+        if held:
+            raise _Stopped(held[0])
 
 
 def _interruptible(work: str, args: argparse.Namespace, keep: bool) -> int:
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         return orchestrate(work, args, keep)
+    except _Stopped as e:
+        print(f"pitstop demo: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl+C: the training processes got it too, and stop
         print("pitstop demo: interrupted", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _trainer(framework: str) -> Any:
@@ -382,18 +454,52 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     # side by side: each is single-threaded, and this machine has cores for both
     print("1. reference run: the same training, uninterrupted, without checkpoints "
           "(runs alongside 2.)")
-    ref = _Watched(_child_cmd(fw, os.path.join(work, "unused"), ref_out, args,
-                              checkpoint=False))
-    print(f"2. the run with pitstop: {shown}", flush=True)
-    sup = _Watched(cmd, on_err=relay)
-    try:
+    ref: _Watched | None = None
+    sup: _Watched | None = None
+    try:  # (from the first start: a signal may come while the second starts)
+        with _holding_signals():
+            ref = _Watched(_child_cmd(fw, os.path.join(work, "unused"), ref_out, args,
+                                      checkpoint=False))
+        print(f"2. the run with pitstop: {shown}", flush=True)
+        with _holding_signals():
+            sup = _Watched(cmd, on_err=relay)
         return _supervised(args, trainer, ckpt, ref, sup, kill_after, announced, ref_out,
                            run_out, run_dir, keep, t0)
     finally:
-        for w in (ref, sup):
-            if w.proc.poll() is None:  # only on the way out of a failure: no strays
+        # only on the way out of a failure or a signal: no strays. pitstop run passes
+        # SIGTERM on to the training process and exits once it has saved and exited (a
+        # second signal, after Ctrl+C reached it too, makes it kill the job at once)
+        announced.set()  # (its lines about stopping are relayed at once)
+        running = [w for w in (ref, sup) if w is not None and w.proc.poll() is None]
+        for w in running:
+            w.proc.terminate()
+        for w in running:
+            try:
+                w.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
                 w.proc.kill()
-                w.wait()
+            w.wait()
+        # (should pitstop run have been killed: its job dies with it, and saves first)
+        deadline = time.monotonic() + 30
+        while sup is not None and any(_alive(p) for p in sup.pids) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited one not yet reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return not os.path.isdir("/proc")  # (/proc said it is gone)
 
 
 def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: _Watched,

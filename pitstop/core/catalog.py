@@ -122,16 +122,17 @@ def create_identity(storage: Storage, naming: Naming = DEFAULT, encryption: Any 
 def retention_record(policies: list[RetentionPolicy]) -> list[dict[str, Any]]:
     """The retention policies as recorded in ``directory.json`` (``"retention"``), so that
     ``pitstop ls`` can say which checkpoints the next retention pass keeps, and why. A
-    policy pitstop does not know is recorded by its class name only (``"custom"``)."""
+    policy pitstop does not know is recorded by its class name only (``"custom"``), also a
+    subclass of one of pitstop's (its own ``keep`` may decide otherwise)."""
     out: list[dict[str, Any]] = []
     for p in policies:
-        if isinstance(p, KeepLast):
+        if type(p) is KeepLast:
             out.append({"keep_last": p.n})
-        elif isinstance(p, KeepEverySteps):
+        elif type(p) is KeepEverySteps:
             out.append({"keep_every_steps": p.k})
-        elif isinstance(p, KeepBest):
+        elif type(p) is KeepBest:
             out.append({"keep_best": p.n, "best_metric": p.metric, "best_mode": p.mode})
-        elif isinstance(p, KeepAll):
+        elif type(p) is KeepAll:
             out.append({"keep_all": True})
         else:
             kind = type(p)

@@ -249,7 +249,8 @@ class PersistJob:
     #: waits for it before hashing; the memory tier describes the buffer only then)
     lazy: LazyCopy | None = None
     #: the frameworks (name -> version) whose adapters captured the state, numpy included:
-    #: the manifest's writer["frameworks"] (empty: not known, e.g. a recovered snapshot)
+    #: the manifest's writer["frameworks"] (empty: not known; a recovered snapshot's are
+    #: those its memory-tier description recorded)
     frameworks: dict[str, str] = field(default_factory=dict)
 
 

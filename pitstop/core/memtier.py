@@ -240,6 +240,8 @@ class MemoryTier:
             "metrics": encode_value(job.metrics),
             "user_metadata": encode_value(job.user_metadata), "check_finite": job.check_finite,
             "created_unix": job.created_unix,
+            # (the manifest's writer["frameworks"] when a restart persists this snapshot)
+            "frameworks": getattr(job, "frameworks", None) or {},
         }
         text = json.dumps(head, separators=(",", ":"))
         path = self.meta_path(buf)

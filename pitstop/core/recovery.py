@@ -95,7 +95,7 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
                          metrics=metrics, handle=handle,
                          user_metadata=user_metadata, hashes=hashes,
                          check_finite=bool(meta.get("check_finite")),
-                         created_unix=_created(meta))
+                         created_unix=_created(meta), frameworks=_frameworks(meta))
         job.release_buffer = False  # restore() may still read it; released by the manager
         engine.submit(job)
         recovered.append(Recovered(buf, reader, step, handle))
@@ -107,6 +107,16 @@ def _created(meta: dict[str, Any]) -> float:
     """When the recovered snapshot's save() was called (0.0 from an older pitstop)."""
     t = meta.get("created_unix")
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
+
+
+def _frameworks(meta: dict[str, Any]) -> dict[str, str]:
+    """The frameworks the snapshot's save recorded (none from an older pitstop, or when
+    the description holds something else)."""
+    fw = meta.get("frameworks")
+    if isinstance(fw, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                    for k, v in fw.items()):
+        return dict(fw)
+    return {}
 
 
 def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str,

@@ -259,8 +259,9 @@ class FlatState:
     caveats: list[str] = field(default_factory=list)
     #: keys of sharded array leaves (their shards are stored separately)
     sharded: list[str] = field(default_factory=list)
-    #: the adapters that captured objects of the state (the manifest names their
-    #: frameworks: ``writer["frameworks"]``)
+    #: the adapters that captured objects of the state, and the names of frameworks an
+    #: adapter captured for another ("keras" on TensorFlow): the manifest names their
+    #: frameworks (``writer["frameworks"]``)
     used: set[Any] = field(default_factory=set)
     #: a state made by ``load(target=...)``: immutable objects at its root are rebuilt and
     #: the new root left in :attr:`root`
@@ -647,6 +648,9 @@ class _Flattener:
             self.open.discard(id(obj))
         flat.adapters.append((path, node))
         flat.used.add(adapter)
+        more = getattr(adapter, "frameworks", None)
+        if more is not None:  # (a framework one adapter captures for another: Keras on TF)
+            flat.used.update(more(obj))
         tag = getattr(adapter, "type_tag", None)
         name = tag(obj) if tag is not None else None
         return {"$o": sub, "$type": name} if name else {"$o": sub}

@@ -157,6 +157,10 @@ def test_recovered_snapshot_is_persisted_even_without_restore(tmp_path, cleanup_
         assert_is_state(mgr.load(2), 2)
     finally:
         mgr.close()
+    # the frameworks the killed process's save recorded (pitstop inspect's "written by"),
+    # not "not recorded: an older pitstop"
+    with open(d / "step_0000000002" / "manifest.json") as f:
+        assert json.load(f)["writer"]["frameworks"] == {"numpy": np.__version__}
 
 
 def test_save_right_after_recovery_does_not_clobber_the_recovered_persist(

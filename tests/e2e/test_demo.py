@@ -74,9 +74,97 @@ def test_demo_refuses_a_non_empty_directory(tmp_path, capsys):
     assert "not an empty directory" in err and len(err.strip().splitlines()) == 1
 
 
+def test_arguments_the_demo_cannot_run_with_are_one_line(capsys):
+    # --steps 30 --save-every 10: the kill waits for step 20's checkpoint, and the training
+    # (steps 0-29) could finish before it, failing the demo at random; a negative seed
+    # failed in the training process as "internal error ... a bug in pitstop"
+    for argv in (["--steps", "30", "--save-every", "10"], ["--steps", "3", "--save-every", "1"],
+                 ["--seed", "-1"], ["--seed", str(2**32)]):
+        assert main(["demo", "--framework", "numpy", *argv]) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, (argv, err)
+        assert err.startswith("pitstop demo: --s"), err
+
+
+def test_a_keras_backend_the_demo_cannot_train_on_is_one_line(monkeypatch, capsys):
+    # KERAS_BACKEND=numpy trains nothing (Keras's numpy backend has no train_on_batch: "a bug
+    # in pitstop" from the training process); a misspelt one was "pip install
+    # 'pitstop[nonsense]'"
+    for backend in ("numpy", "nonsense"):
+        monkeypatch.setenv("KERAS_BACKEND", backend)
+        assert main(["demo", "--framework", "keras"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.strip() == (
+            f"pitstop demo: --framework keras trains on the jax, torch or tensorflow Keras "
+            f"backend, not KERAS_BACKEND={backend}; set KERAS_BACKEND to one of those"), err
+
+
 def test_a_missing_framework_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # as if not installed
     assert main(["demo", "--framework", "tf"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == ("pitstop demo: --framework tf needs tensorflow, which is not "
                            "installed: pip install 'pitstop[tf]'")
+
+
+def test_ctrl_c_after_the_kill_leaves_nothing_in_dev_shm(tmp_path):
+    """Ctrl+C right after the demo killed its training process: the killed process's
+    memory-tier snapshot (kept for a restart) must not outlive the temporary directory."""
+    import hashlib
+    import signal
+    if not os.access("/dev/shm", os.W_OK):
+        import pytest
+        pytest.skip("no writable /dev/shm: no memory tier")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
+        start_new_session=True)
+    try:
+        lines = []
+        for line in p.stdout:  # noqa: B007 - up to the kill
+            lines.append(line)
+            if "kill -9" in line:
+                break
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = "".join(lines) + out
+    assert p.returncode == 130 and "Traceback" not in err, text + err
+    ckpt = re.search(r"in (\S+/checkpoints) \(a temporary directory\)", text).group(1)
+    assert not os.path.exists(ckpt)
+    where = hashlib.sha1(os.path.realpath(ckpt).encode()).hexdigest()[:8]
+    left = [n for n in os.listdir("/dev/shm") if f"-{where}-" in n]
+    assert left == [], f"{left} of {ckpt}: {text}{err}"
+
+
+def test_sigterm_to_the_demo_alone_stops_it_cleanly(tmp_path):
+    """`kill PID` of the demo (a job scheduler, a closed ssh session: SIGTERM or SIGHUP to it
+    alone, not its children): it stops its training processes and removes its temporary
+    directory, instead of dying with both left behind."""
+    import signal
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
+        start_new_session=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("2. the run with pitstop"):
+                break
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "pitstop demo: stopped by SIGTERM", err
+    assert "Traceback" not in err
+    left = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(p.pid)], capture_output=True,
+                          text=True).stdout.split("\n")
+    assert not [ln for ln in left if ln.strip() and "Z" not in ln.split()[1]], left
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("pitstop-demo-")]

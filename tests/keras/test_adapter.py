@@ -186,3 +186,17 @@ def test_keras_model_optax_state_and_key_together_on_jax_backend(tmp_path) -> No
                                   jax.random.key_data(state["key"]))
     x = np.ones((2, 4), np.float32)
     np.testing.assert_array_equal(np.asarray(m(x)), np.asarray(m2(x)))
+
+
+def test_the_manifest_names_keras_and_its_backend(manager) -> None:
+    """inspect's "written by": Keras and the backend that ran it, on every backend (on
+    TensorFlow the model is captured as a trackable, which must not hide Keras)."""
+    import json
+    model = make("sequential")
+    mgr = manager()
+    mgr.save(1, {"model": model}).wait()
+    with open(f"{mgr.directory}/step_0000000001/manifest.json") as f:
+        doc = json.load(f)
+    frameworks = doc["writer"]["frameworks"]
+    assert frameworks["keras"] == keras.__version__, frameworks
+    assert frameworks["keras.backend"] == BACKEND, frameworks

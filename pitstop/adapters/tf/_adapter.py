@@ -59,6 +59,14 @@ class TrackableAdapter:
     def can_handle(self, obj: Any) -> bool:
         return _graph.is_trackable(obj) and base_variable(obj) is None
 
+    def frameworks(self, obj: Any) -> tuple[str, ...]:
+        """The frameworks besides TensorFlow that wrote ``obj`` (the manifest's
+        writer["frameworks"]): Keras for its models, layers and optimizers."""
+        keras = sys.modules.get("keras")
+        if keras is not None and isinstance(obj, (keras.Layer, keras.Optimizer)):
+            return ("keras",)
+        return ()
+
     def capture(self, obj: Any) -> dict[str, Any]:
         try:
             return _graph.capture(obj)
