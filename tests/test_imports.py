@@ -47,3 +47,21 @@ assert main(["verify", {str(tmp_path)!r}]) == 0
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r})))
 """
     assert frameworks_loaded_by(code) == []
+
+
+def test_test_modules_collected_together_have_distinct_names():
+    """pytest's default (rootdir-relative, no __init__.py) import mode fails the whole run's
+    collection on two test modules of one name in folders collected by one process; the
+    folders run in processes of their own (tests/test_isolated_suites.py) are apart."""
+    from test_isolated_suites import ISOLATED
+
+    seen: dict[str, str] = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        rel = os.path.relpath(folder, os.path.join(ROOT, "tests"))
+        top = rel.split(os.sep)[0]
+        if top in ISOLATED or os.path.exists(os.path.join(folder, "__init__.py")):
+            continue
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                assert f not in seen, f"tests/{rel}/{f} and {seen[f]} share a name"
+                seen[f] = f"tests/{rel}/{f}"
