@@ -137,8 +137,13 @@ def _short(obj: Any, width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+#: Python advice in core's messages that a command-line user cannot take (the command
+#: reads the key from PITSTOP_ENCRYPTION_KEY, which the same messages name)
+_PYTHON_ONLY = re.compile(r",? or pass encryption=pitstop\.Encryption\([^)]*\)")
+
+
 def _one_line(text: object) -> str:
-    return _shown(" ".join(str(text).splitlines()))
+    return _shown(_PYTHON_ONLY.sub("", " ".join(str(text).splitlines())))
 
 
 def _shown(text: object) -> str:
