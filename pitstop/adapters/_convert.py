@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
-from ..core.errors import CheckpointNotFoundError
+from ..core.errors import CheckpointNotFoundError, CheckpointWriteError
 from ..core.manager import CheckpointManager
 from ..core.tree import select
 
@@ -24,3 +26,29 @@ def read_step(directory: str | os.PathLike[str], step: int | None, key: str | No
     finally:
         mgr.close()
     return step, select(tree, key, f"step {step} in {directory}")
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """Write an exported file through a temporary file in the same folder (``write(tmp)``),
+    fsync it and rename it into place: a crash leaves the old file or none, never half of
+    one. An OSError becomes a :class:`pitstop.CheckpointWriteError` naming ``path``."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pitstop-export-")
+    except OSError as e:
+        raise CheckpointWriteError(f"{path}: cannot write there ({e.strerror or e}); check the "
+                                   "folder and your permissions", path=path) from e
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointWriteError(f"{path}: cannot write it ({e.strerror or e})",
+                                       path=path) from e
+        raise

@@ -26,7 +26,6 @@ import os
 import re
 import struct
 import sys
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
@@ -36,7 +35,7 @@ import numpy as np
 
 from ..core.arguments import MAX_STEP
 from ..core.dtypes import ML_DTYPES
-from ..core.errors import CheckpointError, CorruptCheckpointError
+from ..core.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from ..core.tree import decode_value, encode_value, join, split, unflatten
 
 NPZ_META = "__pitstop__"
@@ -114,24 +113,11 @@ def _cli() -> Any:
 
 def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Write through a temporary file beside ``path``, fsync it, rename it into place."""
-    cli = _cli()
-    folder = os.path.dirname(os.path.abspath(path))
+    from ..adapters._convert import atomic_write
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pitstop-export-")
-    except OSError as e:
-        raise cli.CliError(f"{path}: cannot write there ({e.strerror}); check the folder "
-                           "and your permissions") from None
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise cli.CliError(f"{path}: cannot write it ({e.strerror or e})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        atomic_write(path, write)
+    except CheckpointWriteError as e:
+        raise _cli().CliError(str(e)) from None
 
 
 #: the adapters' advice names their Python keywords: the command's options instead

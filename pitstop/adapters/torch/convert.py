@@ -30,7 +30,6 @@ import pickle
 import re
 import reprlib
 import stat
-import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,14 +41,13 @@ from ...core.dtypes import ML_DTYPES
 from ...core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointWriteError,
     CorruptCheckpointError,
     StepExistsError,
     UnsupportedStateError,
 )
 from ...core.manager import CheckpointManager
 from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, select, split
-from .._convert import read_step
+from .._convert import atomic_write, read_step
 from ._adapter import clean_key
 
 log = logging.getLogger("pitstop")
@@ -299,28 +297,6 @@ def _refuse_existing(directory: PathLike, step: int) -> Any:
             "Import under another step (step=...) or into another directory, or delete that "
             "checkpoint first.")
     return key
-
-
-def _atomic_write(path: PathLike, write: Any) -> None:
-    """Write through a temporary file in the same folder, then rename into place."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pitstop-export-")
-    except OSError as e:
-        raise CheckpointWriteError(f"cannot write {path}: {e}", path=path) from e
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointWriteError(f"cannot write {path}: {e}", path=path) from e
-        raise
 
 
 # ----------------------------------------------------------------------------- imports
@@ -724,7 +700,7 @@ def export_torch_save(directory: PathLike, path: PathLike, *, step: int | None =
         with open(tmp, "wb") as f:  # a file object: torch's writer rejects a dotted temp name
             torch.save(obj, f)
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
     return step
 
 
@@ -775,5 +751,5 @@ def export_safetensors(directory: PathLike, path: PathLike, *, step: int | None 
     if renamed:
         doc["keys"] = renamed
     meta = {"format": "pt", "pitstop": json.dumps(doc, allow_nan=False)}
-    _atomic_write(path, lambda tmp: st.save_file(tensors, tmp, metadata=meta))
+    atomic_write(path, lambda tmp: st.save_file(tensors, tmp, metadata=meta))
     return step
