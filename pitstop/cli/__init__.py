@@ -988,9 +988,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print(text.rstrip("\n"))
                 return OK
         break
+    rank = args.rank
+    if rank is not None and not 0 <= rank < m.world:
+        raise CliError(f"{where}: --rank {rank}: the checkpoint was saved by "
+                       f"{m.world} rank{'s' * (m.world != 1)} (0 to {m.world - 1})")
     out = sys.stdout
     w = m.writer
     print(f"step {m.step}: {where}", file=out)
+    if m.world > 1:
+        mine = m.rank_specific()
+        shown = ", ".join(_shown(k) for k in mine[:12]) + (" ..." if len(mine) > 12 else "")
+        print(f"  saved by {m.world} ranks; below: rank {rank or 0}'s view"
+              + ("" if rank else " (--rank N for another's)")
+              + (f"; each rank saved its own {shown}" if mine else
+                 "; every rank saved the same entries"), file=out)
+        m = m.view(rank or 0)
     print(f"  format {m.format_version}, saved {_time(m.created_unix)}", file=out)
     print(f"  written by: {_written_by(w)}", file=out)
     print(
@@ -1539,6 +1551,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir", metavar="DIR")
     _url_options(s)
     s.add_argument("--step", type=int, help="the step to show (default: the newest)")
+    s.add_argument("--rank", type=int, metavar="N",
+                   help="of a checkpoint several ranks saved: show rank N's view (default 0)")
     s.add_argument(
         "--json",
         action="store_true",

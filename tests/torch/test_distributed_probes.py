@@ -305,15 +305,16 @@ def test_cli_on_a_multi_rank_checkpoint(probe: dict[str, Any]) -> None:
     assert m["world"]["size"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "minor: `pitstop inspect` of a 2-rank checkpoint shows rank 0's view only (arrays, "
-    "values such as info={'rank': 0}) and says nothing of the other rank: neither that "
-    "2 ranks saved it nor which entries differ per rank (Manifest.world / "
-    "rank_specific() are not printed by cli.cmd_inspect)"))
 def test_cli_inspect_says_the_checkpoint_is_of_several_ranks(probe: dict[str, Any]) -> None:
     inspect = cli("inspect", str(probe["tmp"] / "fail"))
     assert inspect.returncode == 0, inspect.stderr
     assert "2 ranks" in inspect.stdout and "mine" in inspect.stdout.split("2 ranks", 1)[1]
+    assert '"rank":0' in inspect.stdout, inspect.stdout
+    one = cli("inspect", str(probe["tmp"] / "fail"), "--rank", "1")
+    assert one.returncode == 0 and "rank 1's view" in one.stdout, one.stderr
+    assert '"rank":1' in one.stdout, one.stdout
+    bad = cli("inspect", str(probe["tmp"] / "fail"), "--rank", "2")
+    assert bad.returncode == 2 and "saved by 2 ranks (0 to 1)" in bad.stderr, bad.stderr
 
 
 def test_cli_verify_reads_every_ranks_part(probe: dict[str, Any]) -> None:
