@@ -37,6 +37,10 @@ an info string not listed here fails the test, so a typo cannot switch a block o
   It runs at its place in the page, in the page's namespace. ``<!-- check ... -->`` is the
   same, placed after a block to assert what the block's comments claim.
 * A block (or its setup) that imports torch runs only where torch imports.
+* Code the rules above would not see fails the test: a ``~~~`` or four-backtick fence, one
+  never closed or indented four spaces, an indented code block, an HTML comment other than
+  setup, check and manifest (a typo would hide code that never runs), an excerpt with no
+  lines, a redundant ``[exit 0]``.
 
 Relative links between pages must resolve (files and ``#anchors``), docs/index.md must link
 every page, and every public name has a line in the quickstart (torch's in torch.md).
@@ -134,18 +138,59 @@ def items(page: Path) -> list[Item]:
         body = _dedent(m.group("body"), len(m.group("indent")))
         kind, arg = _kind(info, f"{page.name}:{line}")
         found.append((m.start(), Item(kind, line + 1, body, arg)))
+    comments = []
     for m in _COMMENT.finditer(text):
         if any(a <= m.start() < b for a, b in spans):
             continue  # a comment inside a code block is code
+        comments.append((m.start(), m.end()))
         body = m.group("body")
         line = text.count("\n", 0, m.start()) + 1
-        head, _, rest = body.lstrip().partition("\n")
+        head, _, rest = body.lstrip(" ").partition("\n")
         word = head.split(":")[0].strip()
-        if word in ("setup", "check"):
+        if word in ("setup", "check") and head.strip() == word:
             found.append((m.start(), Item("hidden", line + 1, rest)))
-        elif word == "manifest":
+        elif word == "manifest" and ":" in head:
             found.append((m.start(), Item("manifest", line, arg=head.split(":", 1)[1].strip())))
+        else:
+            # a typo (`<!-- stup`, `<!-- setup x = 1 -->`) would hide code that never runs
+            raise AssertionError(
+                f"{page.name}:{line}: an HTML comment that is not `<!-- setup` or `<!-- check` "
+                "(then a line break and code) or `<!-- manifest: PATH -->`: it hides text "
+                "that nothing checks")
+    _untested_code(page, text, spans + comments)
     return [it for _, it in sorted(found, key=lambda t: t[0])]
+
+
+_LIST_ITEM = re.compile(r"^\s*([-*+]|\d+[.)])\s")
+
+
+def _untested_code(page: Path, text: str, spans: list[tuple[int, int]]) -> None:
+    """Code the fence pattern above does not see is code no test runs or checks: a ~~~ or
+    ```` fence, an unclosed fence, a fence indented four spaces, an indented code block."""
+    blank = "".join(ch if ch == "\n" else " " for ch in text)
+    rest = "".join(blank[a:b] if any(s <= a < e for s, e in spans) else text[a:b]
+                   for a, b in _pieces(text, spans))
+    lines = rest.split("\n")
+    context = ""  # the last line that is not blank and not indented four spaces
+    for i, ln in enumerate(lines):
+        where = f"{page.name}:{i + 1}"
+        if re.match(r"^\s*(```|~~~)", ln):
+            raise AssertionError(
+                f"{where}: a code fence the test does not read (~~~, four backticks, indented "
+                "four spaces, or never closed): use ```INFO ... ``` at the start of the line")
+        if re.match(r"^( {4,}|\t)\S", ln) and i and not lines[i - 1].strip() \
+                and not _LIST_ITEM.match(context):
+            raise AssertionError(
+                f"{where}: an indented code block (four spaces after a blank line) is code the "
+                "test does not run or check: make it a fenced block (see tests/test_docs.py)")
+        if ln.strip() and not re.match(r"^( {4,}|\t)", ln):
+            context = ln
+
+
+def _pieces(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``text`` cut at every start and end of ``spans``, in order."""
+    cuts = sorted({0, len(text), *(a for a, _ in spans), *(b for _, b in spans)})
+    return list(zip(cuts, cuts[1:], strict=False))
 
 
 def _dedent(body: str, indent: int) -> str:
@@ -187,6 +232,9 @@ def console_commands(code: str) -> list[tuple[int, str, str, int]]:
         lines = exp.rstrip().splitlines()
         m = _EXIT.match(lines[-1].strip()) if lines else None
         if m:
+            if int(m.group("n")) == 0:
+                raise AssertionError(f"line {j + 1} of a console block: `[exit 0]` is what a "
+                                     "command without an `[exit N]` line asserts; drop it")
             out[k] = (j, cmd, "\n".join(lines[:-1]), int(m.group("n")))
     return out
 
@@ -249,6 +297,8 @@ def excerpt_problem(code: str, path: str) -> str | None:
     if not src.is_file():
         return f"excerpt of {path}: no such file"
     have = [s for s in map(_squash, src.read_text().splitlines()) if s]
+    if not [ln for ln in map(_squash, code.splitlines()) if ln and ln != "..."]:
+        return f"excerpt of {path}: no lines to check"
     at, segment = 0, []
     for ln in [*map(_squash, code.splitlines()), "..."]:
         if ln != "...":
@@ -621,6 +671,40 @@ def test_markers(tmp_path: Path) -> None:
             items(page)
     page.write_text("```json\n{}\n```\n")
     assert "manifest the page wrote" in shown_problems(page)[0]
+
+
+def test_code_the_harness_would_not_see_fails(tmp_path: Path) -> None:
+    """Every way to write code that no test runs or checks fails the test instead."""
+    page = tmp_path / "page.md"
+    refused = {
+        "~~~python\nraise ValueError\n~~~\n": "code fence the test does not read",
+        "````python\nraise ValueError\n````\n": "code fence the test does not read",
+        "```python\nraise ValueError\n": "code fence the test does not read",  # never closed
+        "- item\n\n    ```python\n    raise ValueError\n    ```\n": "code fence the test",
+        "text\n\n    raise ValueError\n\ntext\n": "indented code block",
+        "<!-- stup\nraise ValueError\n-->\n": "HTML comment",
+        "<!-- setup x = 1 -->\n": "HTML comment",
+        "```Python\nx = 1\n```\n": "unknown info string",
+    }
+    for text, error in refused.items():
+        page.write_text(text)
+        with pytest.raises(AssertionError, match=error):
+            items(page)
+    # what is allowed: trailing blanks after the info string (not part of it in CommonMark),
+    # a list item's indented continuation, text indented inside a list
+    page.write_text("```python  \nx = 1\n```\n\n- a\n\n    more of a\n")
+    assert [it.kind for it in items(page)] == ["run"]
+    # shown blocks that would prove nothing
+    for text, error in {"```python excerpt=Makefile\n...\n```\n": "no lines to check",
+                        "```python excerpt=no/such.py\nx\n```\n": "no such file",
+                        "```console\n$ true\n[exit 0]\n```\n": "drop it"}.items():
+        page.write_text(text)
+        assert error in "\n".join(shown_problems(page)), text
+    # a command that fails fails, whatever `...` its expected output is
+    page.write_text("```console\n$ false\n...\n```\n")
+    (item,) = items(page)
+    with pytest.raises(pytest.fail.Exception, match="got \\(exit 1\\)"):
+        _console(ROOT / "README.md", item, tmp_path / "bin")
 
 
 def test_console_blocks_match_with_ellipsis_and_exit_status(tmp_path: Path) -> None:
