@@ -40,7 +40,8 @@ an info string not listed here fails the test, so a typo cannot switch a block o
 * Code the rules above would not see fails the test: a ``~~~`` or four-backtick fence, one
   never closed or indented four spaces, an indented code block, an HTML comment other than
   setup, check and manifest (a typo would hide code that never runs), an excerpt with no
-  lines, a redundant ``[exit 0]``.
+  lines, a redundant ``[exit 0]``, a block guarded by ``if __name__ == "__main__"`` (the
+  page's namespace is not ``__main__``: its body would never run).
 
 Relative links between pages must resolve (files and ``#anchors``), docs/index.md must link
 every page, and every public name has a line in the quickstart (torch's in torch.md).
@@ -137,11 +138,17 @@ def items(page: Path) -> list[Item]:
         info = m.group("info").strip().split()
         body = _dedent(m.group("body"), len(m.group("indent")))
         kind, arg = _kind(info, f"{page.name}:{line}")
+        if kind == "run" and re.search(r"""__name__\s*==\s*["']__main__""", body):
+            # the page's namespace is not __main__: the guarded code would never run
+            raise AssertionError(f"{page.name}:{line}: a block with `if __name__ == "
+                                 "\"__main__\"`: the test would skip its body; call it")
         found.append((m.start(), Item(kind, line + 1, body, arg)))
     comments = []
+    inline = [(m.start(), m.end()) for m in re.finditer(r"`[^`\n]+`", text)
+              if not any(a <= m.start() < b for a, b in spans)]
     for m in _COMMENT.finditer(text):
-        if any(a <= m.start() < b for a, b in spans):
-            continue  # a comment inside a code block is code
+        if any(a <= m.start() < b for a, b in spans + inline):
+            continue  # a comment inside a code block or `inline code` is code
         comments.append((m.start(), m.end()))
         body = m.group("body")
         line = text.count("\n", 0, m.start()) + 1
@@ -279,7 +286,7 @@ def _console(page: Path, item: Item, bindir: Path) -> None:
     env = _console_env(bindir)
     for offset, cmd, expected, status in console_commands(item.code):
         r = subprocess.run(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=env, timeout=300)
+                           stdin=subprocess.DEVNULL, text=True, env=env, timeout=300)
         if r.returncode != status or not output_matches(expected, r.stdout):
             pytest.fail(f"{page.relative_to(ROOT)}:{item.line + offset}: $ {cmd}\n"
                         f"expected (exit {status}):\n{expected}\n"
@@ -687,6 +694,7 @@ def test_code_the_harness_would_not_see_fails(tmp_path: Path) -> None:
         "<!-- stup\nraise ValueError\n-->\n": "HTML comment",
         "<!-- setup x = 1 -->\n": "HTML comment",
         "```Python\nx = 1\n```\n": "unknown info string",
+        "```python\nif __name__ == '__main__':\n    raise ValueError\n```\n": "__main__",
     }
     for text, error in refused.items():
         page.write_text(text)
@@ -694,7 +702,8 @@ def test_code_the_harness_would_not_see_fails(tmp_path: Path) -> None:
             items(page)
     # what is allowed: trailing blanks after the info string (not part of it in CommonMark),
     # a list item's indented continuation, text indented inside a list
-    page.write_text("```python  \nx = 1\n```\n\n- a\n\n    more of a\n")
+    page.write_text("```python  \nx = 1\n```\n\n- a\n\n    more of a\n\nprose on "
+                    "`<!-- setup ... -->` comments\n")
     assert [it.kind for it in items(page)] == ["run"]
     # shown blocks that would prove nothing
     for text, error in {"```python excerpt=Makefile\n...\n```\n": "no lines to check",
