@@ -589,6 +589,22 @@ def test_relative_links_resolve() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_named_files_and_tests_exist() -> None:
+    """A file of the repository or a test named in `inline code` (the README's proofs name
+    tests) exists: a renamed test or file cannot leave a claim pointing at nothing."""
+    sources = "\n".join(f.read_text() for f in (ROOT / "tests").rglob("*.py"))
+    bad = []
+    for page in PAGES:
+        text = _COMMENT.sub("", _FENCE.sub("", page.read_text()))
+        for m in re.finditer(r"`((?:tests|benchmarks|pitstop|examples)/[^`\s:]+)[^`]*`", text):
+            if not (ROOT / m.group(1)).exists():
+                bad.append(f"{page.name}: {m.group(1)} does not exist")
+        for m in re.finditer(r"`(test_\w+)`", text):
+            if not re.search(rf"^\s*(async )?def {m.group(1)}\b", sources, re.M):
+                bad.append(f"{page.name}: no test {m.group(1)} under tests/")
+    assert not bad, "\n".join(bad)
+
+
 def test_index_lists_every_page() -> None:
     index = _prose((DOCS / "index.md").read_text())
     linked = {m.group("target").partition("#")[0] for m in _LINK.finditer(index)}
