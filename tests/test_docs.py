@@ -563,7 +563,8 @@ def anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes."""
     out: set[str] = set()
     for m in _HEADING.finditer(_FENCE.sub("", page.read_text())):
-        title = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", m.group("title"))
+        # GitHub keeps `_` (save_every_steps); `*` and backticks go with the punctuation
+        title = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", m.group("title"))
         slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
         n, base = 0, slug
         while slug in out:
@@ -571,6 +572,14 @@ def anchors(page: Path) -> set[str]:
             slug = f"{base}-{n}"
         out.add(slug)
     return out
+
+
+def test_anchors_are_githubs(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# `save_every_steps` and *more*\n\n## From `torch.save` / `torch.load`\n\n"
+                    "## A [link](x.md) here\n\n## A\n\n## A\n")
+    assert anchors(page) == {"save_every_steps-and-more", "from-torchsave--torchload",
+                             "a-link-here", "a", "a-1"}
 
 
 def test_relative_links_resolve() -> None:
