@@ -384,6 +384,8 @@ def tree_problems(code: str, path: str) -> list[str]:
     """Entries of a directory listing that do not exist."""
     bad, stack = [], []
     base = ROOT / path
+    if not base.is_dir():
+        return [f"tree={path}: no such directory"]
     for ln in code.splitlines():
         if not ln.strip():
             continue
@@ -407,6 +409,8 @@ def keys_problems(code: str, path: str) -> list[str]:
     if not src.is_file():
         return [f"keys={path}: no such file"]
     text = src.read_text()
+    if not re.search(r'"([A-Za-z_][\w-]*)"\s*:', code):
+        return [f"keys={path}: no \"key\": in the block, nothing to check"]
     return [f"keys={path}: no {k!r} in it" for k in re.findall(r'"([A-Za-z_][\w-]*)"\s*:', code)
             if not re.fullmatch(r"step_\d+", k)  # a checkpoint's name, not a key
             if f'"{k}"' not in text]
@@ -423,7 +427,9 @@ def shown_problems(page: Path) -> list[str]:
     diagrams = 0
     for prev, it in zip([None, *page_items], page_items, strict=False):
         where = f"{_rel(page)}:{it.line}"
-        if it.kind == "excerpt":
+        if it.kind in SHOWN | {"console", "json"} and not it.code.strip():
+            bad.append(f"{where}: an empty ```{it.kind} block shows and proves nothing")
+        elif it.kind == "excerpt":
             problem = excerpt_problem(it.code, it.arg)
             bad += [f"{where}: {problem}"] if problem else []
         elif it.kind == "sh":
@@ -733,7 +739,10 @@ def test_code_the_harness_would_not_see_fails(tmp_path: Path) -> None:
     # shown blocks that would prove nothing
     for text, error in {"```python excerpt=Makefile\n...\n```\n": "no lines to check",
                         "```python excerpt=no/such.py\nx\n```\n": "no such file",
-                        "```console\n$ true\n[exit 0]\n```\n": "drop it"}.items():
+                        "```console\n$ true\n[exit 0]\n```\n": "drop it",
+                        "```sh\n```\n": "empty", "```text tree=no/such\nsuch/\n```\n": "no such",
+                        "```text keys=docs/manifest.schema.json\nx\n```\n": "nothing to check",
+                        }.items():
         page.write_text(text)
         assert error in "\n".join(shown_problems(page)), text
     # a command that fails fails, whatever `...` its expected output is
