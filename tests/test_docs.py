@@ -221,6 +221,8 @@ def _run(page: Path, item: Item, ns: dict) -> None:
 
 # ------------------------------------------------------------------------- console blocks
 _EXIT = re.compile(r"^\[exit (?P<n>\d+)\]$")
+_SHELL_STATE = re.compile(r"^\s*((cd|export|unset|set|source|alias|pushd|popd|ulimit|umask)\b"
+                          r"|\.\s|\w+=\S*\s*$)")
 
 
 def console_commands(code: str) -> list[tuple[int, str, str, int]]:
@@ -228,6 +230,13 @@ def console_commands(code: str) -> list[tuple[int, str, str, int]]:
     out: list[tuple[int, str, str, int]] = []
     for i, ln in enumerate(code.splitlines()):
         if ln.startswith("$ "):
+            if _SHELL_STATE.match(ln[2:]) and not re.search(r"&&|;|\|", ln):
+                # each command runs in a bash of its own: a reader's shell keeps this, the
+                # test's does not, and the commands after it would run differently
+                raise AssertionError(
+                    f"line {i + 1} of a console block: `{ln[2:]}` changes only the shell it runs "
+                    "in, and each `$ ` line runs in a new one: join it to the command that "
+                    "needs it (`cd d && ...`, `VAR=x pitstop ...`)")
             out.append((i, ln[2:], "", 0))
         elif not out:
             if ln.strip():
@@ -740,7 +749,9 @@ def test_code_the_harness_would_not_see_fails(tmp_path: Path) -> None:
     for text, error in {"```python excerpt=Makefile\n...\n```\n": "no lines to check",
                         "```python excerpt=no/such.py\nx\n```\n": "no such file",
                         "```console\n$ true\n[exit 0]\n```\n": "drop it",
-                        "```sh\n```\n": "empty", "```text tree=no/such\nsuch/\n```\n": "no such",
+                        "```sh\n```\n": "empty",
+                        "```console\n$ export K=1\n$ pitstop ls\n```\n": "new one",
+                        "```console\n$ cd runs\n```\n": "new one", "```text tree=no/such\nsuch/\n```\n": "no such",
                         "```text keys=docs/manifest.schema.json\nx\n```\n": "nothing to check",
                         }.items():
         page.write_text(text)
