@@ -12,6 +12,8 @@ an info string not listed here fails the test, so a typo cannot switch a block o
   stdout and stderr together. ``...`` matches any text (also across lines, as doctest's
   ELLIPSIS); trailing whitespace is ignored. A last line ``[exit N]`` asserts the exit
   status; without one it must be 0.
+  Each ``$ `` line runs in a new bash: one that only changes the shell (``cd``, ``export``,
+  ``VAR=x``) fails; join it to the command that needs it.
 * ``LANG excerpt=PATH`` (any LANG) is a piece of a file of the repository: its lines must
   occur in PATH, in order and one after another, compared without indentation and with runs
   of spaces as one; a line ``...`` skips any number of lines of the file.
