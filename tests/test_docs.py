@@ -12,6 +12,8 @@ an info string not listed here fails the test, so a typo cannot switch a block o
   stdout and stderr together. ``...`` matches any text (also across lines, as doctest's
   ELLIPSIS); trailing whitespace is ignored. A last line ``[exit N]`` asserts the exit
   status; without one it must be 0.
+  Each ``$ `` line runs in a new bash: one that only changes the shell (``cd``, ``export``,
+  ``VAR=x``) fails; join it to the command that needs it.
 * ``LANG excerpt=PATH`` (any LANG) is a piece of a file of the repository: its lines must
   occur in PATH, in order and one after another, compared without indentation and with runs
   of spaces as one; a line ``...`` skips any number of lines of the file.
@@ -37,6 +39,11 @@ an info string not listed here fails the test, so a typo cannot switch a block o
   It runs at its place in the page, in the page's namespace. ``<!-- check ... -->`` is the
   same, placed after a block to assert what the block's comments claim.
 * A block (or its setup) that imports torch runs only where torch imports.
+* Code the rules above would not see fails the test: a ``~~~`` or four-backtick fence, one
+  never closed or indented four spaces, an indented code block, an HTML comment other than
+  setup, check and manifest (a typo would hide code that never runs), an excerpt with no
+  lines, a redundant ``[exit 0]``, a block guarded by ``if __name__ == "__main__"`` (the
+  page's namespace is not ``__main__``: its body would never run).
 
 Relative links between pages must resolve (files and ``#anchors``), docs/index.md must link
 every page, and every public name has a line in the quickstart (torch's in torch.md).
@@ -133,19 +140,66 @@ def items(page: Path) -> list[Item]:
         info = m.group("info").strip().split()
         body = _dedent(m.group("body"), len(m.group("indent")))
         kind, arg = _kind(info, f"{page.name}:{line}")
+        if kind == "run" and re.search(r"""__name__\s*==\s*["']__main__""", body):
+            # the page's namespace is not __main__: the guarded code would never run
+            raise AssertionError(f"{page.name}:{line}: a block with `if __name__ == "
+                                 "\"__main__\"`: the test would skip its body; call it")
         found.append((m.start(), Item(kind, line + 1, body, arg)))
+    comments = []
+    inline = [(m.start(), m.end()) for m in re.finditer(r"`[^`\n]+`", text)
+              if not any(a <= m.start() < b for a, b in spans)]
     for m in _COMMENT.finditer(text):
-        if any(a <= m.start() < b for a, b in spans):
-            continue  # a comment inside a code block is code
+        if any(a <= m.start() < b for a, b in spans + inline):
+            continue  # a comment inside a code block or `inline code` is code
+        comments.append((m.start(), m.end()))
         body = m.group("body")
         line = text.count("\n", 0, m.start()) + 1
-        head, _, rest = body.lstrip().partition("\n")
+        head, _, rest = body.lstrip(" ").partition("\n")
         word = head.split(":")[0].strip()
-        if word in ("setup", "check"):
+        if word in ("setup", "check") and head.strip() == word:
             found.append((m.start(), Item("hidden", line + 1, rest)))
-        elif word == "manifest":
+        elif word == "manifest" and ":" in head:
             found.append((m.start(), Item("manifest", line, arg=head.split(":", 1)[1].strip())))
+        else:
+            # a typo (`<!-- stup`, `<!-- setup x = 1 -->`) would hide code that never runs
+            raise AssertionError(
+                f"{page.name}:{line}: an HTML comment that is not `<!-- setup` or `<!-- check` "
+                "(then a line break and code) or `<!-- manifest: PATH -->`: it hides text "
+                "that nothing checks")
+    _untested_code(page, text, spans + comments)
     return [it for _, it in sorted(found, key=lambda t: t[0])]
+
+
+_LIST_ITEM = re.compile(r"^\s*([-*+]|\d+[.)])\s")
+
+
+def _untested_code(page: Path, text: str, spans: list[tuple[int, int]]) -> None:
+    """Code the fence pattern above does not see is code no test runs or checks: a ~~~ or
+    ```` fence, an unclosed fence, a fence indented four spaces, an indented code block."""
+    blank = "".join(ch if ch == "\n" else " " for ch in text)
+    rest = "".join(blank[a:b] if any(s <= a < e for s, e in spans) else text[a:b]
+                   for a, b in _pieces(text, spans))
+    lines = rest.split("\n")
+    context = ""  # the last line that is not blank and not indented four spaces
+    for i, ln in enumerate(lines):
+        where = f"{page.name}:{i + 1}"
+        if re.match(r"^\s*(```|~~~)", ln):
+            raise AssertionError(
+                f"{where}: a code fence the test does not read (~~~, four backticks, indented "
+                "four spaces, or never closed): use ```INFO ... ``` at the start of the line")
+        if re.match(r"^( {4,}|\t)\S", ln) and i and not lines[i - 1].strip() \
+                and not _LIST_ITEM.match(context):
+            raise AssertionError(
+                f"{where}: an indented code block (four spaces after a blank line) is code the "
+                "test does not run or check: make it a fenced block (see tests/test_docs.py)")
+        if ln.strip() and not re.match(r"^( {4,}|\t)", ln):
+            context = ln
+
+
+def _pieces(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``text`` cut at every start and end of ``spans``, in order."""
+    cuts = sorted({0, len(text), *(a for a, _ in spans), *(b for _, b in spans)})
+    return list(zip(cuts, cuts[1:], strict=False))
 
 
 def _dedent(body: str, indent: int) -> str:
@@ -169,6 +223,8 @@ def _run(page: Path, item: Item, ns: dict) -> None:
 
 # ------------------------------------------------------------------------- console blocks
 _EXIT = re.compile(r"^\[exit (?P<n>\d+)\]$")
+_SHELL_STATE = re.compile(r"^\s*((cd|export|unset|set|source|alias|pushd|popd|ulimit|umask)\b"
+                          r"|\.\s|\w+=\S*\s*$)")
 
 
 def console_commands(code: str) -> list[tuple[int, str, str, int]]:
@@ -176,6 +232,13 @@ def console_commands(code: str) -> list[tuple[int, str, str, int]]:
     out: list[tuple[int, str, str, int]] = []
     for i, ln in enumerate(code.splitlines()):
         if ln.startswith("$ "):
+            if _SHELL_STATE.match(ln[2:]) and not re.search(r"&&|;|\|", ln):
+                # each command runs in a bash of its own: a reader's shell keeps this, the
+                # test's does not, and the commands after it would run differently
+                raise AssertionError(
+                    f"line {i + 1} of a console block: `{ln[2:]}` changes only the shell it runs "
+                    "in, and each `$ ` line runs in a new one: join it to the command that "
+                    "needs it (`cd d && ...`, `VAR=x pitstop ...`)")
             out.append((i, ln[2:], "", 0))
         elif not out:
             if ln.strip():
@@ -187,6 +250,9 @@ def console_commands(code: str) -> list[tuple[int, str, str, int]]:
         lines = exp.rstrip().splitlines()
         m = _EXIT.match(lines[-1].strip()) if lines else None
         if m:
+            if int(m.group("n")) == 0:
+                raise AssertionError(f"line {j + 1} of a console block: `[exit 0]` is what a "
+                                     "command without an `[exit N]` line asserts; drop it")
             out[k] = (j, cmd, "\n".join(lines[:-1]), int(m.group("n")))
     return out
 
@@ -231,7 +297,7 @@ def _console(page: Path, item: Item, bindir: Path) -> None:
     env = _console_env(bindir)
     for offset, cmd, expected, status in console_commands(item.code):
         r = subprocess.run(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=env, timeout=300)
+                           stdin=subprocess.DEVNULL, text=True, env=env, timeout=300)
         if r.returncode != status or not output_matches(expected, r.stdout):
             pytest.fail(f"{page.relative_to(ROOT)}:{item.line + offset}: $ {cmd}\n"
                         f"expected (exit {status}):\n{expected}\n"
@@ -249,6 +315,8 @@ def excerpt_problem(code: str, path: str) -> str | None:
     if not src.is_file():
         return f"excerpt of {path}: no such file"
     have = [s for s in map(_squash, src.read_text().splitlines()) if s]
+    if not [ln for ln in map(_squash, code.splitlines()) if ln and ln != "..."]:
+        return f"excerpt of {path}: no lines to check"
     at, segment = 0, []
     for ln in [*map(_squash, code.splitlines()), "..."]:
         if ln != "...":
@@ -327,6 +395,8 @@ def tree_problems(code: str, path: str) -> list[str]:
     """Entries of a directory listing that do not exist."""
     bad, stack = [], []
     base = ROOT / path
+    if not base.is_dir():
+        return [f"tree={path}: no such directory"]
     for ln in code.splitlines():
         if not ln.strip():
             continue
@@ -350,6 +420,8 @@ def keys_problems(code: str, path: str) -> list[str]:
     if not src.is_file():
         return [f"keys={path}: no such file"]
     text = src.read_text()
+    if not re.search(r'"([A-Za-z_][\w-]*)"\s*:', code):
+        return [f"keys={path}: no \"key\": in the block, nothing to check"]
     return [f"keys={path}: no {k!r} in it" for k in re.findall(r'"([A-Za-z_][\w-]*)"\s*:', code)
             if not re.fullmatch(r"step_\d+", k)  # a checkpoint's name, not a key
             if f'"{k}"' not in text]
@@ -366,7 +438,9 @@ def shown_problems(page: Path) -> list[str]:
     diagrams = 0
     for prev, it in zip([None, *page_items], page_items, strict=False):
         where = f"{_rel(page)}:{it.line}"
-        if it.kind == "excerpt":
+        if it.kind in SHOWN | {"console", "json"} and not it.code.strip():
+            bad.append(f"{where}: an empty ```{it.kind} block shows and proves nothing")
+        elif it.kind == "excerpt":
             problem = excerpt_problem(it.code, it.arg)
             bad += [f"{where}: {problem}"] if problem else []
         elif it.kind == "sh":
@@ -483,7 +557,8 @@ def test_shown_blocks_match_their_sources() -> None:
 
 
 def test_every_python_block_is_valid_python() -> None:
-    """Also the excerpts of Python files and the hidden code: they must at least compile."""
+    """Every python block and hidden setup compiles, also on a page whose blocks are skipped
+    (torch, TensorFlow or JAX missing); excerpts are checked against their files instead."""
     for page in PAGES:
         for it in items(page):
             if it.kind in ("run", "hidden"):
@@ -506,7 +581,8 @@ def anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes."""
     out: set[str] = set()
     for m in _HEADING.finditer(_FENCE.sub("", page.read_text())):
-        title = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", m.group("title"))
+        # GitHub keeps `_` (save_every_steps); `*` and backticks go with the punctuation
+        title = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", m.group("title"))
         slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
         n, base = 0, slug
         while slug in out:
@@ -514,6 +590,14 @@ def anchors(page: Path) -> set[str]:
             slug = f"{base}-{n}"
         out.add(slug)
     return out
+
+
+def test_anchors_are_githubs(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# `save_every_steps` and *more*\n\n## From `torch.save` / `torch.load`\n\n"
+                    "## A [link](x.md) here\n\n## A\n\n## A\n")
+    assert anchors(page) == {"save_every_steps-and-more", "from-torchsave--torchload",
+                             "a-link-here", "a", "a-1"}
 
 
 def test_relative_links_resolve() -> None:
@@ -529,6 +613,22 @@ def test_relative_links_resolve() -> None:
                 bad.append(f"{page.name}: {target} (no such file)")
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 bad.append(f"{page.name}: {target} (no heading #{anchor} in {dest.name})")
+    assert not bad, "\n".join(bad)
+
+
+def test_named_files_and_tests_exist() -> None:
+    """A file of the repository or a test named in `inline code` (the README's proofs name
+    tests) exists: a renamed test or file cannot leave a claim pointing at nothing."""
+    sources = "\n".join(f.read_text() for f in (ROOT / "tests").rglob("*.py"))
+    bad = []
+    for page in PAGES:
+        text = _COMMENT.sub("", _FENCE.sub("", page.read_text()))
+        for m in re.finditer(r"`((?:tests|benchmarks|pitstop|examples)/[^`\s:]+)[^`]*`", text):
+            if not (ROOT / m.group(1)).exists():
+                bad.append(f"{page.name}: {m.group(1)} does not exist")
+        for m in re.finditer(r"`(test_\w+)`", text):
+            if not re.search(rf"^\s*(async )?def {m.group(1)}\b", sources, re.M):
+                bad.append(f"{page.name}: no test {m.group(1)} under tests/")
     assert not bad, "\n".join(bad)
 
 
@@ -580,10 +680,12 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     """`make docs`: mkdocs builds every page offline; a link mkdocs cannot follow fails it
     (about a second)."""
     pytest.importorskip("mkdocs")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+    # not -q: mkdocs's --strict counts only the warnings it logs, and -q logs none (a broken
+    # anchor passed here while `make docs` failed on it)
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                         "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0 and "WARNING" not in r.stdout + r.stderr, r.stdout + r.stderr
     nav = (ROOT / "mkdocs.yml").read_text()
     missing = [p.name for p in DOCS.glob("*.md") if f" {p.name}" not in nav]
     assert not missing, f"mkdocs.yml's nav does not list {missing}"
@@ -621,6 +723,47 @@ def test_markers(tmp_path: Path) -> None:
             items(page)
     page.write_text("```json\n{}\n```\n")
     assert "manifest the page wrote" in shown_problems(page)[0]
+
+
+def test_code_the_harness_would_not_see_fails(tmp_path: Path) -> None:
+    """Every way to write code that no test runs or checks fails the test instead."""
+    page = tmp_path / "page.md"
+    refused = {
+        "~~~python\nraise ValueError\n~~~\n": "code fence the test does not read",
+        "````python\nraise ValueError\n````\n": "code fence the test does not read",
+        "```python\nraise ValueError\n": "code fence the test does not read",  # never closed
+        "- item\n\n    ```python\n    raise ValueError\n    ```\n": "code fence the test",
+        "text\n\n    raise ValueError\n\ntext\n": "indented code block",
+        "<!-- stup\nraise ValueError\n-->\n": "HTML comment",
+        "<!-- setup x = 1 -->\n": "HTML comment",
+        "```Python\nx = 1\n```\n": "unknown info string",
+        "```python\nif __name__ == '__main__':\n    raise ValueError\n```\n": "__main__",
+    }
+    for text, error in refused.items():
+        page.write_text(text)
+        with pytest.raises(AssertionError, match=error):
+            items(page)
+    # what is allowed: trailing blanks after the info string (not part of it in CommonMark),
+    # a list item's indented continuation, text indented inside a list
+    page.write_text("```python  \nx = 1\n```\n\n- a\n\n    more of a\n\nprose on "
+                    "`<!-- setup ... -->` comments\n")
+    assert [it.kind for it in items(page)] == ["run"]
+    # shown blocks that would prove nothing
+    for text, error in {"```python excerpt=Makefile\n...\n```\n": "no lines to check",
+                        "```python excerpt=no/such.py\nx\n```\n": "no such file",
+                        "```console\n$ true\n[exit 0]\n```\n": "drop it",
+                        "```sh\n```\n": "empty",
+                        "```console\n$ export K=1\n$ pitstop ls\n```\n": "new one",
+                        "```console\n$ cd runs\n```\n": "new one", "```text tree=no/such\nsuch/\n```\n": "no such",
+                        "```text keys=docs/manifest.schema.json\nx\n```\n": "nothing to check",
+                        }.items():
+        page.write_text(text)
+        assert error in "\n".join(shown_problems(page)), text
+    # a command that fails fails, whatever `...` its expected output is
+    page.write_text("```console\n$ false\n...\n```\n")
+    (item,) = items(page)
+    with pytest.raises(pytest.fail.Exception, match="got \\(exit 1\\)"):
+        _console(ROOT / "README.md", item, tmp_path / "bin")
 
 
 def test_console_blocks_match_with_ellipsis_and_exit_status(tmp_path: Path) -> None:

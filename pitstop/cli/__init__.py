@@ -76,6 +76,8 @@ from ..core.storage.local import MANIFEST, META_DIR, LocalStorage
 from ..core.storage.objectstore import Leftover, ObjectListing
 
 OK, CORRUPT, ERROR = 0, 1, 2
+#: the status of a command whose reader closed the pipe (128 + SIGPIPE, as a shell reports it)
+BROKEN_PIPE = 141
 #: what pitstop names the temporaries of interrupted writes of .pitstop/ files (a file in
 #: .pitstop/); those of interrupted saves and deletions (a directory in DIR) are the naming's
 _TMP_META = getattr(_local, "_TMP_META", re.compile(r"^.+\.tmp-[0-9a-f]{8}$"))
@@ -1647,9 +1649,13 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"pitstop: {_one_line(e)}", file=sys.stderr)
         return ERROR
-    except BrokenPipeError:  # `pitstop ls DIR | head`
-        sys.stderr.close()
-        return OK
+    except BrokenPipeError:  # `pitstop verify DIR | head -1`: the reader went away
+        # the output, and with it the verdict, was cut short: not 0 (a failed verification
+        # would read as success), but what a shell reports for a command SIGPIPE killed;
+        # stdout goes to /dev/null so that the exit's flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE
     except KeyboardInterrupt:
         return 130
     except OSError as e:  # a path the commands above did not expect to fail

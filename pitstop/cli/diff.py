@@ -213,6 +213,17 @@ class Result:
                     or self.values or self.world)
 
 
+def _clipped(text: str, at: int, width: int = 64) -> str:
+    """A value as the text output shows it, around ``at`` (where the two sides first
+    differ): an RNG state is some 20 KB of numbers, which would fill the terminal and hide
+    the difference; ``--json`` has every value whole."""
+    if len(text) <= width:
+        return text
+    start = max(0, min(at - width // 3, len(text) - width))
+    return (("..." if start else "") + text[start:start + width]
+            + ("..." if start + width < len(text) else "") + f" ({len(text):,} chars)")
+
+
 def _type_text(e: ArrayEntry) -> str:
     dt = decode_dtype(e.dtype)
     name = e.dtype if isinstance(e.dtype, str) and e.dtype[:1] not in "<>|=" else dt.name
@@ -485,7 +496,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
             line += f", {d.nonfinite} NaN/inf on one side only"
         print(line, file=out)
     for k, ta, tb in res.values:
-        print(f"value: {_shown(k)}: {_one_line(ta)} -> {_one_line(tb)}", file=out)
+        whole = (_one_line(ta), _one_line(tb))
+        at = next((i for i, (x, y) in enumerate(zip(*whole, strict=False)) if x != y),
+                  min(map(len, whole)))
+        shown = tuple(_clipped(w, at) for w in whole)
+        note = " (--json: the whole values)" if shown != whole else ""
+        print(f"value: {_shown(k)}: {shown[0]} -> {shown[1]}{note}", file=out)
     hashed = f" ({res.same_by_hash} by stored hash, not read)" if res.same_by_hash else ""
     print(f"equal: {res.same_arrays} arrays{hashed}, {res.same_values} values; "
           f"equality: {rule}", file=out)
