@@ -549,38 +549,73 @@ def test_every_command_over_every_broken_directory(case, world, capsys):
     ).exists() or case != "directory_json_id_with_glob_and_slash"
 
 
+#: one interpreter runs the console entry point (``python -m pitstop.cli``, as runpy runs it)
+#: once per argv of argv[1] (JSON), its stdout and stderr each time a file of its own on the
+#: same file descriptors (the streams keep the encoding the environment gave them); prints
+#: [[status, stdout, stderr], ...] as JSON (ASCII). One start instead of one per command.
+ENTRY_POINT_CHILD = r"""
+import json, os, runpy, sys, tempfile, traceback
+results = []
+for argv in json.loads(sys.argv[1]):
+    files = [tempfile.TemporaryFile() for _ in range(2)]
+    saved = [os.dup(1), os.dup(2)]
+    os.dup2(files[0].fileno(), 1)
+    os.dup2(files[1].fileno(), 2)
+    sys.argv = ["pitstop", *argv]
+    try:
+        runpy.run_module("pitstop.cli", run_name="__main__", alter_sys=True)
+        status = 0  # (__main__ ends with sys.exit: not reached)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # what the interpreter does with it: a traceback, status 1
+        traceback.print_exc()
+        status = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if not stream.closed:
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read().decode("utf-8", "replace"))
+    results.append([status, *texts])
+print(json.dumps(results))
+"""
+
+
 def test_every_command_as_a_subprocess_prints_no_traceback(world):
-    """The console entry point itself (stdout not a terminal, a non-UTF-8 name to print)."""
+    """The console entry point itself (stdout not a terminal, a non-UTF-8 name to print,
+    an ASCII locale), every command run by ``python -m pitstop.cli``'s own code."""
     d, shm, outside = world
     entry_name_not_utf8(d, shm, outside)
     manifest_not_utf8(d, shm, outside)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C", "PYTHONIOENCODING": "ascii"}
-    for cmd in COMMANDS:
-        extra = ["--memory-tier", str(shm)] if cmd[0] == "gc" else []
-        r = subprocess.run(
-            [sys.executable, "-m", "pitstop.cli", cmd[0], str(d), *cmd[1:], *extra],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=120,
-            env=env,
-        )
-        _check(cmd, r.returncode, r.stdout, r.stderr)
+    argvs = [[cmd[0], str(d), *cmd[1:], *(["--memory-tier", str(shm)] if cmd[0] == "gc" else [])]
+             for cmd in COMMANDS]
     # a bad argument: one line naming the subcommand; a forced progress bar on an ASCII
     # stderr: drawn in ASCII, and the verdict lines unchanged
-    for argv, code in ((["inspect", str(d), "--step", "x"], 2),
-                       (["verify", str(d), "--all", "--progress"], 1)):
-        r = subprocess.run([sys.executable, "-m", "pitstop.cli", *argv], capture_output=True,
-                           text=True, errors="replace", timeout=120, env=env)
-        assert "Traceback" not in r.stdout + r.stderr and r.returncode == code, r
+    more = [(["inspect", str(d), "--step", "x"], 2),
+            (["verify", str(d), "--all", "--progress"], 1)]
+    r = subprocess.run([sys.executable, "-c", ENTRY_POINT_CHILD,
+                        json.dumps(argvs + [argv for argv, _ in more])],
+                       capture_output=True, text=True, errors="replace", timeout=120, env=env)
+    assert r.returncode == 0 and r.stderr == "", r
+    results = json.loads(r.stdout)
+    assert len(results) == len(argvs) + len(more), r.stdout
+    for cmd, (rc, out, err) in zip(COMMANDS, results, strict=False):
+        _check(cmd, rc, out, err)
+    for (argv, code), (rc, out, err) in zip(more, results[len(argvs):], strict=True):
+        assert "Traceback" not in out + err and rc == code, (argv, rc, out, err)
         if code == 2:
-            assert r.stdout == "" and r.stderr == (
+            assert out == "" and err == (
                 "pitstop inspect: --step: invalid int value: 'x'; see `pitstop inspect "
                 "--help`\n")
         else:
-            assert "100%" in r.stderr and "\\u" not in r.stderr
-            assert "pitstop: " in r.stderr.splitlines()[-1], r.stderr  # (after the bar)
-            assert all(ln.startswith("step ") for ln in r.stdout.splitlines()[:-1]), r.stdout
+            assert "100%" in err and "\\u" not in err
+            assert "pitstop: " in err.splitlines()[-1], err  # (after the bar)
+            assert all(ln.startswith("step ") for ln in out.splitlines()[:-1]), out
 
 
 # ====================================================================== the reported cases
