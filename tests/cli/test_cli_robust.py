@@ -15,13 +15,13 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from entry_point import run_commands
 
 import pitstop
 from pitstop.cli import build_parser, main
@@ -549,45 +549,10 @@ def test_every_command_over_every_broken_directory(case, world, capsys):
     ).exists() or case != "directory_json_id_with_glob_and_slash"
 
 
-#: one interpreter runs the console entry point (``python -m pitstop.cli``, as runpy runs it)
-#: once per argv of argv[1] (JSON), its stdout and stderr each time a file of its own on the
-#: same file descriptors (the streams keep the encoding the environment gave them); prints
-#: [[status, stdout, stderr], ...] as JSON (ASCII). One start instead of one per command.
-ENTRY_POINT_CHILD = r"""
-import json, os, runpy, sys, tempfile, traceback
-results = []
-for argv in json.loads(sys.argv[1]):
-    files = [tempfile.TemporaryFile() for _ in range(2)]
-    saved = [os.dup(1), os.dup(2)]
-    os.dup2(files[0].fileno(), 1)
-    os.dup2(files[1].fileno(), 2)
-    sys.argv = ["pitstop", *argv]
-    try:
-        runpy.run_module("pitstop.cli", run_name="__main__", alter_sys=True)
-        status = 0  # (__main__ ends with sys.exit: not reached)
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # what the interpreter does with it: a traceback, status 1
-        traceback.print_exc()
-        status = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            if not stream.closed:
-                stream.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-    texts = []
-    for f in files:
-        f.seek(0)
-        texts.append(f.read().decode("utf-8", "replace"))
-    results.append([status, *texts])
-print(json.dumps(results))
-"""
-
-
 def test_every_command_as_a_subprocess_prints_no_traceback(world):
     """The console entry point itself (stdout not a terminal, a non-UTF-8 name to print,
-    an ASCII locale), every command run by ``python -m pitstop.cli``'s own code."""
+    an ASCII locale), every command run by ``python -m pitstop.cli``'s own code (in one
+    interpreter: tests/cli/entry_point.py)."""
     d, shm, outside = world
     entry_name_not_utf8(d, shm, outside)
     manifest_not_utf8(d, shm, outside)
@@ -598,12 +563,7 @@ def test_every_command_as_a_subprocess_prints_no_traceback(world):
     # stderr: drawn in ASCII, and the verdict lines unchanged
     more = [(["inspect", str(d), "--step", "x"], 2),
             (["verify", str(d), "--all", "--progress"], 1)]
-    r = subprocess.run([sys.executable, "-c", ENTRY_POINT_CHILD,
-                        json.dumps(argvs + [argv for argv, _ in more])],
-                       capture_output=True, text=True, errors="replace", timeout=120, env=env)
-    assert r.returncode == 0 and r.stderr == "", r
-    results = json.loads(r.stdout)
-    assert len(results) == len(argvs) + len(more), r.stdout
+    results = run_commands(argvs + [argv for argv, _ in more], env=env)
     for cmd, (rc, out, err) in zip(COMMANDS, results, strict=False):
         _check(cmd, rc, out, err)
     for (argv, code), (rc, out, err) in zip(more, results[len(argvs):], strict=True):
