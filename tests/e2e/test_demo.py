@@ -3,8 +3,10 @@ bitwise identical to an uninterrupted reference run; and a resume made wrong on 
 be caught. (The tf / keras / jax demos take 20-40 s each here, too long for the suite: they
 are run by hand, docs/cli.md gives the figures. The numpy demo's successful run is the
 example in docs/cli.md, run and matched line by line by tests/test_docs.py: not repeated
-here.) The runs are as short as the demo allows (--steps 16 --save-every 5: the kill after
-step 10's checkpoint, a third of the run, the restart trains steps 11-15): most of a run is
+here.) The torch and wrong-resume runs are short (--steps 24 --save-every 5: the kill once
+step 10's checkpoint commits; a process not killed yet waits at step 15, so the restart
+always has steps left to train and to tell a wrong resume by; with --steps 16 that wait was
+the last step, and a busy machine let the run finish before the kill): most of a run is
 its processes starting."""
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def demo(*args: str) -> subprocess.CompletedProcess:
 
 def test_torch_demo_resumes_identically(tmp_path):
     work = tmp_path / "demo"
-    r = demo("--dir", str(work), "--steps", "16", "--save-every", "5")
+    r = demo("--dir", str(work), "--steps", "24", "--save-every", "5")
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     assert "--framework torch" in out and "identical: yes, bit for bit" in out
@@ -56,7 +58,7 @@ def test_torch_demo_resumes_identically(tmp_path):
 
 def test_a_wrong_resume_is_caught():
     # the restarted process "forgets" to restore its random stream: the check must fail
-    r = demo("--framework", "numpy", "--steps", "16", "--save-every", "5", "--wrong-resume")
+    r = demo("--framework", "numpy", "--steps", "24", "--save-every", "5", "--wrong-resume")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "identical: NO" in r.stdout and "losses" in r.stdout
     m = re.search(r"resumed at step (\d+)", r.stdout)
@@ -113,8 +115,8 @@ def test_ctrl_c_after_the_kill_leaves_nothing_in_dev_shm(tmp_path):
         import pytest
         pytest.skip("no writable /dev/shm: no memory tier")
     p = subprocess.Popen(
-        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "16",
-         "--save-every", "5"],
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
         start_new_session=True)
@@ -144,8 +146,8 @@ def test_sigterm_to_the_demo_alone_stops_it_cleanly(tmp_path):
     directory, instead of dying with both left behind."""
     import signal
     p = subprocess.Popen(
-        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "16",
-         "--save-every", "5"],
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
         start_new_session=True)
