@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from entry_point import run_commands
 
 import pitstop
 from pitstop.core.manager import step_name
@@ -43,11 +42,13 @@ def edited(template, tmp_path, fn, name="run"):
     return str(d)
 
 
-def cli(*args):
-    p = subprocess.run([sys.executable, "-m", "pitstop.cli", *args], capture_output=True,
-                       text=True, cwd=ROOT, timeout=60)
-    assert "Traceback" not in p.stderr, p.stderr
-    return p.returncode, p.stdout, p.stderr
+def cli(*commands: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """(status, stdout, stderr) of each ``pitstop COMMAND``, run by the entry point in one
+    interpreter of its own (tests/cli/entry_point.py): real streams, no terminal."""
+    results = run_commands([list(c) for c in commands], cwd=ROOT, timeout=60)
+    for c, (_, _, err) in zip(commands, results, strict=True):
+        assert "Traceback" not in err, (c, err)
+    return results
 
 
 FORGED = "w\nstep 2: ok (forged)\x1b]0;title\x07\x1b[2J\u202e"
@@ -78,17 +79,17 @@ def test_what_a_manifest_says_is_printed_escaped_on_its_line(template, tmp_path,
     and "step 2: ok" forged a verify line for a corrupt checkpoint, and escape sequences
     reached the terminal (colours, the window title, clearing the screen)."""
     d = edited(template, tmp_path, rename_w(bad_hash))
-    for args in (("inspect", d), ("ls", d), ("verify", d, "--all")):
-        rc, out, err = cli(*args)
+    commands = (("inspect", d), ("ls", d), ("verify", d, "--all"))
+    for args, (rc, out, err) in zip(commands, cli(*commands), strict=True):
         clean(out + err)
+        if args[0] == "inspect":  # escaped, not dropped
+            assert "lo\\nss=\\x1b[2J" in out and "w\\nstep 2: ok (forged)" in out, out
         if args[0] == "verify":
             assert rc == (1 if bad_hash else 0), (args, out, err)
             if bad_hash:
                 line = next(x for x in out.splitlines() if x.startswith("step 2:"))
                 assert "CORRUPT" in line and "tensor w\\nstep 2: ok (forged)" in line, line
                 assert len(err.strip().splitlines()) == 1 and err.startswith("pitstop: ")
-    rc, out, _ = cli("inspect", d)
-    assert "lo\\nss=\\x1b[2J" in out and "w\\nstep 2: ok (forged)" in out, out
 
 
 @pytest.mark.parametrize("what, value, text", [
@@ -106,8 +107,8 @@ def test_a_refused_manifest_is_one_line_exit_1(template, tmp_path, what, value, 
         body = body[:body.index(b',"manifest_hash"')] + b"}"
         with open(path, "wb") as f:
             f.write(seal(body.replace(b'"NAN_HERE"', b"NaN"), "xxh3-128"))
-    rc, out, err = cli("inspect", d)
+    (rc, out, err), verified = cli(("inspect", d), ("verify", d, "--all"))
     assert rc == 1 and err.startswith("pitstop: ") and len(err.strip().splitlines()) == 1
     assert text in err, err
-    rc, out, err = cli("verify", d, "--all")
+    rc, out, err = verified
     assert rc == 1 and "step 1: ok" in out and "step 2: CORRUPT" in out and text in out, out

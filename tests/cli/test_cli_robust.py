@@ -15,13 +15,13 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from entry_point import run_commands
 
 import pitstop
 from pitstop.cli import build_parser, main
@@ -550,37 +550,32 @@ def test_every_command_over_every_broken_directory(case, world, capsys):
 
 
 def test_every_command_as_a_subprocess_prints_no_traceback(world):
-    """The console entry point itself (stdout not a terminal, a non-UTF-8 name to print)."""
+    """The console entry point itself (stdout not a terminal, a non-UTF-8 name to print,
+    an ASCII locale), every command run by ``python -m pitstop.cli``'s own code (in one
+    interpreter: tests/cli/entry_point.py)."""
     d, shm, outside = world
     entry_name_not_utf8(d, shm, outside)
     manifest_not_utf8(d, shm, outside)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C", "PYTHONIOENCODING": "ascii"}
-    for cmd in COMMANDS:
-        extra = ["--memory-tier", str(shm)] if cmd[0] == "gc" else []
-        r = subprocess.run(
-            [sys.executable, "-m", "pitstop.cli", cmd[0], str(d), *cmd[1:], *extra],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=120,
-            env=env,
-        )
-        _check(cmd, r.returncode, r.stdout, r.stderr)
+    argvs = [[cmd[0], str(d), *cmd[1:], *(["--memory-tier", str(shm)] if cmd[0] == "gc" else [])]
+             for cmd in COMMANDS]
     # a bad argument: one line naming the subcommand; a forced progress bar on an ASCII
     # stderr: drawn in ASCII, and the verdict lines unchanged
-    for argv, code in ((["inspect", str(d), "--step", "x"], 2),
-                       (["verify", str(d), "--all", "--progress"], 1)):
-        r = subprocess.run([sys.executable, "-m", "pitstop.cli", *argv], capture_output=True,
-                           text=True, errors="replace", timeout=120, env=env)
-        assert "Traceback" not in r.stdout + r.stderr and r.returncode == code, r
+    more = [(["inspect", str(d), "--step", "x"], 2),
+            (["verify", str(d), "--all", "--progress"], 1)]
+    results = run_commands(argvs + [argv for argv, _ in more], env=env)
+    for cmd, (rc, out, err) in zip(COMMANDS, results, strict=False):
+        _check(cmd, rc, out, err)
+    for (argv, code), (rc, out, err) in zip(more, results[len(argvs):], strict=True):
+        assert "Traceback" not in out + err and rc == code, (argv, rc, out, err)
         if code == 2:
-            assert r.stdout == "" and r.stderr == (
+            assert out == "" and err == (
                 "pitstop inspect: --step: invalid int value: 'x'; see `pitstop inspect "
                 "--help`\n")
         else:
-            assert "100%" in r.stderr and "\\u" not in r.stderr
-            assert "pitstop: " in r.stderr.splitlines()[-1], r.stderr  # (after the bar)
-            assert all(ln.startswith("step ") for ln in r.stdout.splitlines()[:-1]), r.stdout
+            assert "100%" in err and "\\u" not in err
+            assert "pitstop: " in err.splitlines()[-1], err  # (after the bar)
+            assert all(ln.startswith("step ") for ln in out.splitlines()[:-1]), out
 
 
 # ====================================================================== the reported cases

@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import s3_server
 
 import pitstop
 from pitstop.cli import main
 from pitstop.core.coordination import CoordinationError, Coordinator
 
+#: the S3 test server's fixtures (tests/s3_server.py: one server for the session), by name
+bucket, moto, s3env = (s3_server.bucket, s3_server.moto, s3_server.s3env)
 
 def run(capsys, *argv) -> tuple[int, str, str]:
     rc = main([str(a) for a in argv])
@@ -349,33 +352,21 @@ def test_import_into_memory_storage_is_refused(tmp_path, capsys):
     assert rc == 2 and out == "" and err.count("\n") == 1 and "memory://" in err, out + err
 
 
-def test_import_into_an_encrypted_bucket_with_its_key(tmp_path, capsys, monkeypatch):
+def test_import_into_an_encrypted_bucket_with_its_key(tmp_path, capsys, monkeypatch, bucket):
     """`PITSTOP_ENCRYPTION_KEY=... pitstop import m.npz s3://b/enc --step 5` (an encrypted
     run directory in a bucket, the right key set) failed: "is encrypted; set
     PITSTOP_ENCRYPTION_KEY to its key", because the npz/safetensors import looked for the
-    directory's key on local paths only (a torch.save import of the same worked)."""
-    import pytest
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    import s3_server
-
+    directory's key on local paths only (a torch.save import of the same worked).
+    (``bucket``: a new bucket on the session's S3 test server, its environment set.)"""
     import pitstop.cli as cli
-    with s3_server.moto_server() as server:
-        for k, v in s3_server.TEST_ENV.items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
-        monkeypatch.setattr(cli, "_KEY", [])
-        s3_server.s3_client(server.endpoint).create_bucket(Bucket="probe")
-        url = "s3://probe/enc"
-        with pitstop.CheckpointManager(url, memory_tier=False, save_on_signals=None,
-                                       encryption=pitstop.Encryption()) as mgr:
-            mgr.save(1, {"w": np.ones(2)}).wait()
-        np.savez(tmp_path / "m.npz", w=np.zeros(2))
-        rc, out, err = run(capsys, "import", tmp_path / "m.npz", url, "--step", 5)
-        assert (rc, err) == (0, ""), err
-        assert out.endswith(f"as step 5 of {url}\n"), out  # (encrypted: the manager
-        # never writes plaintext into an encrypted directory)
+    monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
+    monkeypatch.setattr(cli, "_KEY", [])
+    url = f"s3://{bucket}/enc"
+    with pitstop.CheckpointManager(url, memory_tier=False, save_on_signals=None,
+                                   encryption=pitstop.Encryption()) as mgr:
+        mgr.save(1, {"w": np.ones(2)}).wait()
+    np.savez(tmp_path / "m.npz", w=np.zeros(2))
+    rc, out, err = run(capsys, "import", tmp_path / "m.npz", url, "--step", 5)
+    assert (rc, err) == (0, ""), err
+    assert out.endswith(f"as step 5 of {url}\n"), out  # (encrypted: the manager
+    # never writes plaintext into an encrypted directory)

@@ -1,7 +1,13 @@
 """`pitstop demo` end to end: a real training process is SIGKILLed, restarted, and must resume
 bitwise identical to an uninterrupted reference run; and a resume made wrong on purpose must
 be caught. (The tf / keras / jax demos take 20-40 s each here, too long for the suite: they
-are run by hand, docs/cli.md gives the figures.)"""
+are run by hand, docs/cli.md gives the figures. The numpy demo's successful run is the
+example in docs/cli.md, run and matched line by line by tests/test_docs.py: not repeated
+here.) The torch and wrong-resume runs are short (--steps 24 --save-every 5: the kill once
+step 10's checkpoint commits; a process not killed yet waits at step 15, so the restart
+always has steps left to train and to tell a wrong resume by; with --steps 16 that wait was
+the last step, and a busy machine let the run finish before the kill): most of a run is
+its processes starting."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ def demo(*args: str) -> subprocess.CompletedProcess:
 
 def test_torch_demo_resumes_identically(tmp_path):
     work = tmp_path / "demo"
-    r = demo("--dir", str(work), "--steps", "60", "--save-every", "10")
+    r = demo("--dir", str(work), "--steps", "24", "--save-every", "5")
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     assert "--framework torch" in out and "identical: yes, bit for bit" in out
@@ -50,16 +56,9 @@ def test_torch_demo_resumes_identically(tmp_path):
     assert main(["verify", str(work / "checkpoints"), "--all"]) == 0
 
 
-def test_numpy_demo_resumes_identically():
-    r = demo("--framework", "numpy", "--steps", "100", "--save-every", "10")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "identical: yes, bit for bit" in r.stdout
-    assert re.search(r"^   np\.savez +\d+\.\d ms", r.stdout, re.M), r.stdout
-
-
 def test_a_wrong_resume_is_caught():
     # the restarted process "forgets" to restore its random stream: the check must fail
-    r = demo("--framework", "numpy", "--steps", "60", "--save-every", "10", "--wrong-resume")
+    r = demo("--framework", "numpy", "--steps", "24", "--save-every", "5", "--wrong-resume")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "identical: NO" in r.stdout and "losses" in r.stdout
     m = re.search(r"resumed at step (\d+)", r.stdout)
