@@ -372,8 +372,11 @@ class _Watched:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = self.proc.wait()
+        # the report lines are all in the pipe once the process exited; on a busy machine the
+        # reader threads may need a while to drain them (a leftover holding the pipe open is
+        # the only reason to give up, hence a bound)
         for t in self._threads:
-            t.join(5)
+            t.join(60)
         return rc
 
     def tail(self) -> str:
@@ -530,8 +533,12 @@ def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: _Watched
     if rc != 0 or not sup.done:
         return _fail(sup, f"the run with pitstop failed (exit status {rc})")
     restored = sup.restored[-1] if sup.restored else None
-    if restored is None or len(sup.pids) < 2:
-        return _fail(sup, "the restarted training found nothing to restore")
+    if len(sup.pids) < 2:
+        return _fail(sup, "the training process was not restarted (it reported "
+                     f"{len(sup.pids)} start(s))")
+    if restored is None:
+        return _fail(sup, "the restarted training found nothing to restore (it reported "
+                     f"restores of {sup.restored})")
     killed_after = sup.last_step.get(victim, -1)
     source = ("" if restored == newest else
               " (from the memory tier: the snapshot outlived the killed process)")
