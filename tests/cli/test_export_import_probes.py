@@ -4,18 +4,15 @@ use them, and misuse them: each test here is a defect a user met (see its docstr
 from __future__ import annotations
 
 import json
-import threading
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import s3_server
+from thread_ranks import ranks
 
 import pitstop
 from pitstop.cli import main
-from pitstop.core.coordination import CoordinationError, Coordinator
 
 #: the S3 test server's fixtures (tests/s3_server.py: one server for the session), by name
 bucket, moto, s3env = (s3_server.bucket, s3_server.moto, s3_server.s3env)
@@ -26,45 +23,15 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
-class _Hub:
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.cond = threading.Condition()
-        self.rounds: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
-
-
-class _Threads(Coordinator):
-    """Ranks as threads of this process (the real coordinators are tested with real
-    processes in tests/torch/test_distributed.py)."""
-
-    def __init__(self, hub: _Hub, rank: int) -> None:
-        self.hub, self.rank, self.world_size, self.timeout_s = hub, rank, hub.n, 20.0
-        self.seq = {"control": 0, "persist": 0}
-
-    def all_gather(self, data: bytes, *, what: str, channel: str = "control") -> list[bytes]:
-        key = (channel, self.seq[channel])
-        self.seq[channel] += 1
-        hub = self.hub
-        with hub.cond:
-            hub.rounds[key][self.rank] = data
-            hub.cond.notify_all()
-            if not hub.cond.wait_for(lambda: len(hub.rounds[key]) == hub.n, self.timeout_s):
-                raise CoordinationError(f"{what}: rank {self.rank} timed out")
-            return [hub.rounds[key][r] for r in range(hub.n)]
-
-
 def _save_ranks(d: Path, n: int, state_of: Any, step: int = 1) -> None:
     """One checkpoint saved by ``n`` ranks (threads), rank r saving ``state_of(r)``."""
-    hub = _Hub(n)
 
-    def job(rank: int) -> None:
-        with pitstop.CheckpointManager(d, distributed=_Threads(hub, rank), async_save=False,
+    def job(rank: int, coord: Any) -> None:
+        with pitstop.CheckpointManager(d, distributed=coord, async_save=False,
                                        save_on_signals=None, memory_tier=False) as mgr:
             mgr.save(step, state_of(rank)).wait()
 
-    with ThreadPoolExecutor(n) as pool:
-        for f in [pool.submit(job, r) for r in range(n)]:
-            f.result(timeout=60)
+    ranks(n, job)
 
 
 def test_diff_compares_every_ranks_own_state(tmp_path, capsys):

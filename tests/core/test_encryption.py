@@ -391,7 +391,7 @@ def test_object_storage_round_trip(monkeypatch):
 
 
 def test_several_ranks_each_encrypt_their_files(tmp_path):
-    from test_coordination import ranks
+    from thread_ranks import ranks
     d = tmp_path / "ck"
 
     def open_rank(coord, key=KEY):

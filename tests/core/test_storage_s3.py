@@ -592,7 +592,7 @@ def test_ranks_of_a_distributed_job_save_one_checkpoint_to_a_bucket(bucket: str)
     """Several ranks (threads joined by an in-memory coordinator, tests/core/
     test_coordination.py) write their parts under one prefix; the leader's manifest commits
     them. A rank whose write fails leaves nothing of the step behind."""
-    from test_coordination import ranks
+    from thread_ranks import ranks
 
     url = f"s3://{bucket}/dist"
 
