@@ -9,6 +9,7 @@ import os
 import random
 
 import numpy as np
+from test_cli_status import rows
 
 import pitstop
 from pitstop.cli import main
@@ -24,13 +25,7 @@ def statuses(capsys, d) -> dict[int, str]:
     assert main(["ls", str(d)]) == 0
     out, err = capsys.readouterr()
     assert err == "", err
-    got = {}
-    for line in out.splitlines():
-        cells = line.lstrip("* ").split("  ")
-        if cells[0].strip().isdigit() and "moved aside" not in line and \
-                "incomplete" not in line:
-            got[int(cells[0])] = line
-    return got
+    return rows(out)
 
 
 def committed(d) -> set[int]:
