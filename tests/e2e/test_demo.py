@@ -109,6 +109,17 @@ def test_a_missing_framework_names_the_extra(monkeypatch, capsys):
                            "installed: pip install 'pitstop[tf]'")
 
 
+def numpy_demo_in_its_own_session(tmp_path) -> subprocess.Popen:
+    """The numpy demo as a process group of its own (its temporary files under tmp_path), to
+    be signalled part-way."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
+         "--save-every", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
+        start_new_session=True)
+
+
 def test_ctrl_c_after_the_kill_leaves_nothing_in_dev_shm(tmp_path):
     """Ctrl+C right after the demo killed its training process: the killed process's
     memory-tier snapshot (kept for a restart) must not outlive the temporary directory."""
@@ -117,12 +128,7 @@ def test_ctrl_c_after_the_kill_leaves_nothing_in_dev_shm(tmp_path):
     if not os.access("/dev/shm", os.W_OK):
         import pytest
         pytest.skip("no writable /dev/shm: no memory tier")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
-         "--save-every", "10"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
-        start_new_session=True)
+    p = numpy_demo_in_its_own_session(tmp_path)
     try:
         lines = []
         for line in p.stdout:  # noqa: B007 - up to the kill
@@ -148,12 +154,7 @@ def test_sigterm_to_the_demo_alone_stops_it_cleanly(tmp_path):
     alone, not its children): it stops its training processes and removes its temporary
     directory, instead of dying with both left behind."""
     import signal
-    p = subprocess.Popen(
-        [sys.executable, "-m", "pitstop.cli", "demo", "--framework", "numpy", "--steps", "60",
-         "--save-every", "10"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)},
-        start_new_session=True)
+    p = numpy_demo_in_its_own_session(tmp_path)
     try:
         for line in p.stdout:
             if line.startswith("2. the run with pitstop"):
