@@ -412,6 +412,8 @@ class Supervisor:
         #: the newest committed step before the current run (None: none or not known)
         self.before: int | None = None
         self.reported_restore = False
+        #: the current run's newest restore through a read-only manager (see _read_events)
+        self.read_only_restore: dict[str, Any] | None = None
         #: a manager in the current run found the directory locked by another writer
         self.locked_out = False
         self.noted_other_dir = False
@@ -452,6 +454,7 @@ class Supervisor:
         while True:
             self.before = self._newest(self.directory)
             self.reported_restore = False
+            self.read_only_restore = None
             self.locked_out = False
             started = time.monotonic()
             try:
@@ -691,29 +694,47 @@ class Supervisor:
         if self.events is None:
             return
         for event in self.events.read():
-            if event.get("rank", 0) != 0 or event.get("read_only"):
+            if event.get("rank", 0) != 0:
                 continue
             where = event.get("dir")
+            if event.get("read_only"):
+                # a read-only restore is the job's resume when the job then writes to that
+                # directory: tf.train's ``Checkpoint.restore(latest_checkpoint(d))`` before
+                # its CheckpointManager(d) reads through a reader of its own
+                if event.get("event") == "restore" and isinstance(where, str):
+                    self.read_only_restore = event
+                continue
             if event.get("event") == "open" and isinstance(where, str):
                 self._opened(where)
+                held = self.read_only_restore
+                if held is not None and isinstance(held.get("dir"), str) and \
+                        _same_dir(held["dir"], where):
+                    self._restored(held)
             elif event.get("event") == "locked_out" and isinstance(where, str) and \
                     (self.directory is None or _same_dir(where, self.directory)):
                 self.locked_out = True
-            elif event.get("event") == "restore" and not self.reported_restore and \
-                    self.directory is not None and isinstance(where, str) and \
-                    _same_dir(where, self.directory):  # not another manager's (an EMA copy)
-                self.reported_restore = True
-                step = event.get("step")
-                if isinstance(step, int) and self.before != UNKNOWN:
-                    # the run goes on from there: a step after it is progress, also one
-                    # below the newest seen before the run (found corrupt, moved aside)
-                    self.before = step
-                if self.restarts:
-                    say(f"restart {self.restarts} resumed from step {step}" if step is not None
-                        else f"restart {self.restarts} started from scratch (nothing to "
-                        "resume from)")
-                elif step is not None:
-                    say(f"job resumed from step {step}")
+            elif event.get("event") == "restore":
+                self._restored(event)
+
+    def _restored(self, event: dict[str, Any]) -> None:
+        """The job restored a step (or found none): said once a run, for the run's directory
+        only (not another manager's, an EMA copy's)."""
+        where = event.get("dir")
+        if self.reported_restore or self.directory is None or not isinstance(where, str) \
+                or not _same_dir(where, self.directory):
+            return
+        self.reported_restore = True
+        step = event.get("step")
+        if isinstance(step, int) and self.before != UNKNOWN:
+            # the run goes on from there: a step after it is progress, also one
+            # below the newest seen before the run (found corrupt, moved aside)
+            self.before = step
+        if self.restarts:
+            say(f"restart {self.restarts} resumed from step {step}" if step is not None
+                else f"restart {self.restarts} started from scratch (nothing to "
+                "resume from)")
+        elif step is not None:
+            say(f"job resumed from step {step}")
 
     def _opened(self, where: str) -> None:
         if self.directory is None:
