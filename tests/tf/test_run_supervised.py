@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -37,3 +38,18 @@ def test_restore_before_the_manager_is_reported_as_the_resume(tmp_path, capfd):
     assert main(["run", "--backoff", "0", "--", sys.executable, str(script), d]) == 0
     err = capfd.readouterr().err
     assert "pitstop run: job resumed from step 4" in err, err
+
+
+def test_restore_or_initialize_reports_a_fresh_start(tmp_path, monkeypatch):
+    """With nothing to restore, `restore_or_initialize()` told `pitstop run` nothing: a
+    restart had no "started from scratch" line (a plain manager's restore() says so)."""
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    monkeypatch.setenv("PITSTOP_SUPERVISOR", str(events))
+    mgr = CheckpointManager(Checkpoint(w=tf.Variable(1.0)), str(tmp_path / "run"),
+                            max_to_keep=1)
+    assert mgr.restore_or_initialize() is None
+    mgr.close()
+    told = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["event"], e.get("step")) for e in told if e["event"] == "restore"] == \
+        [("restore", None)], told

@@ -696,6 +696,7 @@ class CheckpointManager:
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _integer(self._step_counter, "step_counter")
             return latest
+        self._mgr._tell_supervisor("restore", step=None)  # `pitstop run`: a fresh start
         if self._init_fn is not None:
             self._init_fn()
         return None
