@@ -422,10 +422,13 @@ def _as_checkpoint(listing: Listing) -> tuple[Storage, int] | None:
             return None
         base = loc.rstrip("/").rpartition("/")[2]
     else:
-        parent = os.path.dirname(os.path.abspath(loc))
-        if not os.path.isfile(os.path.join(loc, MANIFEST)) or parent == os.path.abspath(loc):
+        # the real path: a symlink to a checkpoint (``latest -> run/step_0000000003``) names
+        # the checkpoint by its target's name and run directory, not the link's
+        real = os.path.realpath(loc)
+        parent = os.path.dirname(real)
+        if not os.path.isfile(os.path.join(loc, MANIFEST)) or parent == real:
             return None
-        above, base = LocalStorage(parent, create=False), os.path.basename(os.path.abspath(loc))
+        above, base = LocalStorage(parent, create=False), os.path.basename(real)
     try:  # the naming of the directory that holds it
         naming = _naming(above)
     except CliError:
