@@ -505,7 +505,14 @@ def main(argv: list[str]) -> int:
     dist.destroy_process_group()
     result = results[names] if "+" not in names else results
     print(RESULT + json.dumps(result), flush=True)
-    return 0
+    sys.stderr.flush()
+    # Leave without the interpreter's finalization: in about 1 run of 20 a rank that had
+    # printed its result aborted in it ("terminate called without an active exception",
+    # SIGABRT, while garbage-collecting after destroy_process_group()), a teardown race of
+    # gloo's threads (pytorch/pytorch PR 179291) that this test is not about. Still open:
+    # whether pitstop leaves anything behind that makes it more likely (see the session
+    # notes of issue 16).
+    os._exit(0)
 
 
 if __name__ == "__main__":
