@@ -95,7 +95,9 @@ def _refuse_keras_without_match(obj: Any, tree: Any) -> None:
     keras = sys.modules.get("keras")
     if keras is None or not isinstance(obj, keras.Layer):
         return
-    mine = {id(base_variable(v)) for v in obj.variables}
+    # its weights, not its variables: those include the seed state of its Dropout layers,
+    # which a model not built yet already holds
+    mine = {id(base_variable(v)) for v in obj.weights}
     if not mine:
         return  # not built yet: its variables take their values when created (deferred)
     r = _graph.Restore(tree)

@@ -349,7 +349,9 @@ class Restore:
             yield obj, s
             if not self.graph[s][0]:
                 continue
-            mine = children(obj) if is_trackable(obj) else {}
+            # the children the capture walked, trackable or not (a Keras layer's
+            # SeedGenerator is a plain object whose state variable is its child)
+            mine = children(obj)
             for name, cid in self.graph[s][0]:
                 if cid in seen:
                     continue
