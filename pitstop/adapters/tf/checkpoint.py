@@ -310,24 +310,37 @@ class Checkpoint:
     # -------------------------------------------------------------- restoring
     def read(self, save_path: str | os.PathLike[str] | None,
              options: Any = None) -> CheckpointLoadStatus:
-        """Restore from ``save_path`` (as written by ``write`` or ``save``)."""
-        return self.restore(save_path, options)
+        """Restore from ``save_path`` (as written by ``write``), as tf.train's ``read``: only
+        the objects that exist are restored, and ``save_counter`` is not created, so
+        ``read(write(p)).assert_consumed()`` passes."""
+        return self._read(save_path, counter=False)
 
     def restore(self, save_path: str | os.PathLike[str] | None,
                 options: Any = None) -> CheckpointLoadStatus:
         """Restore the checkpoint at ``save_path``: values go to the objects the saved graph
         reaches by the same names; objects created later get theirs when they are created.
-        ``None`` restores nothing (a fresh run), as tf.train does."""
+        ``None`` restores nothing (a fresh run), as tf.train does. As tf.train's, it then
+        creates ``save_counter`` (restored if the checkpoint holds one: one ``write`` wrote
+        without a ``save`` before holds none, which ``assert_consumed()`` reports)."""
+        return self._read(save_path, counter=True)
+
+    def _read(self, save_path: str | os.PathLike[str] | None, counter: bool
+              ) -> CheckpointLoadStatus:
         if save_path is None:
+            if counter:
+                self._tf.save_counter  # noqa: B018 - created, as tf.train's restore does
             return CheckpointLoadStatus(self._tf, None, None)
         path = _fspath(save_path, "save_path")
         tree = read_tree(path, self._runs)
         r = _graph.Restore(tree, os.path.basename(path), report_unrestored=True)
-        self._tf.save_counter  # noqa: B018 - created now, as tf.train's restore creates it
         view = _graph_root(self._tf)
         try:
             r.check(view)
             r.apply(view)
+            if counter:
+                # created after the read, as tf.train's restore creates it: a saved value
+                # waiting for it (deferred) is restored into it now
+                self._tf.save_counter  # noqa: B018
         except BaseException as e:
             # the error says what went wrong: no warning follows that values found no object
             # (with a hint to call expect_partial() on a status the caller never got)
