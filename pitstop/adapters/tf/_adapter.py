@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -67,15 +68,27 @@ class TrackableAdapter:
             return ("keras",)
         return ()
 
+    def __init__(self) -> None:
+        #: what the last capture could not save, by the captured object's id (``caveats``
+        #: is asked right after ``capture``, on the same thread)
+        self._caveats = threading.local()
+
     def capture(self, obj: Any) -> dict[str, Any]:
+        caveats: list[str] = []
+        self._caveats.last = (id(obj), caveats)
         try:
-            return _graph.capture(obj)
+            return _graph.capture(obj, caveats=caveats)
         except tf.errors.OpError as e:
             raise UnsupportedStateError(
                 f"TensorFlow could not capture this {type(obj).__name__}: {e.message}. A "
                 "tf.data iterator whose pipeline holds external state (tf.py_function, a "
                 "stateful map) cannot be saved; make those steps stateless or drop the "
                 "iterator from the state.") from None
+
+    def caveats(self, obj: Any) -> list[str]:
+        """What the capture of ``obj`` just taken could not save (said once by the manager)."""
+        last = getattr(self._caveats, "last", None)
+        return list(last[1]) if last is not None and last[0] == id(obj) else []
 
     def check(self, obj: Any, tree: Any) -> None:
         _graph.Restore(tree).check(obj)
@@ -101,7 +114,7 @@ def _refuse_keras_without_match(obj: Any, tree: Any) -> None:
     if not mine:
         return  # not built yet: its variables take their values when created (deferred)
     r = _graph.Restore(tree)
-    saved = [s for s, (_c, attrs) in enumerate(r.graph) if attrs]
+    saved = [s for s, (_c, attrs, *_slots) in enumerate(r.graph) if attrs]
     if not saved:
         return
     matched = {id(base_variable(o)) for o, _ in r.pairs(obj, defer=False)
@@ -120,14 +133,14 @@ def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
     ``assert_consumed()``, which a pitstop state has no place for: say it here, when saved
     values found no object *and* existing variables got no value (objects merely not created
     yet are not warned about)."""
-    unused = [s for s, (_c, attrs) in enumerate(r.graph)
+    unused = [s for s, (_c, attrs, *_slots) in enumerate(r.graph)
               if attrs and s not in r.outcome.matched]
     if not unused:
         return
     matched = {id(o) for o in r.outcome.live()}
-    objects, _edges, paths = _graph.walk(obj)
-    unset = ["/".join(_graph.key_components(p)) for o, p in zip(objects, paths, strict=True)
-             if id(o) not in matched and not any(_graph.is_extra(c) for c in p)
+    w = _graph.walk(obj)
+    unset = ["/".join(key) for o, key, extra in zip(w.objects, w.keys, w.extra, strict=True)
+             if id(o) not in matched and not extra
              and (base_variable(o) is not None or (_graph.is_trackable(o) and _graph.serializes(o)))]
     if not unset:
         return

@@ -70,6 +70,9 @@ def is_extra(name: str) -> bool:
     """Whether a local name is one pitstop adds to TensorFlow's graph (see EXTRAS)."""
     return name.startswith(EXTRAS)
 ATTRIBUTES = trackable_utils.OBJECT_ATTRIBUTES_NAME  # ".ATTRIBUTES"
+#: the key component between a variable's path and its optimizer's in a slot variable's key
+#: (``v/.OPTIMIZER_SLOT/opt/m``); no escaped local name can be it
+SLOTS = ".OPTIMIZER_SLOT"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
 log = logging.getLogger("pitstop")
@@ -150,17 +153,97 @@ def _seed_generators(obj: Any, known: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
-def walk(root: Any) -> tuple[list[Any], list[list[tuple[str, int]]], list[tuple[str, ...]]]:
-    """Breadth-first traversal as TensorFlow's: objects, each one's children as
-    ``(local name, node id)`` and each one's path (local names from the root). Keras layers
-    and variables TensorFlow's own graph does not reach are added after it (a second pass,
-    only when there are any), so every key TensorFlow writes stays as it writes it."""
+@dataclass
+class Walk:
+    """An object graph as TensorFlow's saver sees it: the objects breadth first, then the
+    slot variables of the optimizers among them (``tf.compat.v1.train`` optimizers keep
+    Adam's ``m`` and ``v`` there, outside the dependency graph)."""
+
+    objects: list[Any]
+    #: each node's children as ``(local name, node id)`` (slot variables have none)
+    edges: list[list[tuple[str, int]]]
+    #: each node's path of local names from the root (a slot variable: its variable's)
+    paths: list[tuple[str, ...]]
+    #: each node's key components, as TensorFlow's checkpoint keys name it
+    keys: list[list[str]]
+    #: optimizer node -> its slot variables, ``(slot name, variable node, slot node)``
+    slots: dict[int, list[tuple[str, int, int]]]
+    #: whether a node is one pitstop adds to TensorFlow's graph (see EXTRAS)
+    extra: list[bool]
+    #: optimizer node -> slot variables of variables outside this graph (not saved)
+    dropped: dict[int, int]
+
+
+def walk(root: Any, where: str = "") -> Walk:
+    """Breadth-first traversal as TensorFlow's, then the slot variables as TensorFlow lists
+    them. Keras layers and variables TensorFlow's own graph does not reach are added after
+    it (a second pass, only when there are any), so every key TensorFlow writes stays as it
+    writes it."""
     first = _walk(root, _tf_children)
     reached = {id(o) for o in first[0]}
     for o in first[0]:
         if _keras_untracked(o, {}, reached):
-            return _walk(root, lambda obj: children(obj, reached))
-    return first
+            first = _walk(root, lambda obj: children(obj, reached))
+            break
+    objects, edges, paths = first
+    w = Walk(objects, edges, paths, [key_components(p) for p in paths], {},
+             [any(is_extra(c) for c in p) for p in paths], {})
+    _add_slot_variables(w, where)
+    return w
+
+
+def _slot_names(obj: Any) -> list[str]:
+    """The slot names of a ``tf.compat.v1.train`` optimizer (anything with TensorFlow's
+    ``get_slot_names``/``get_slot``), or none. Looked up on the class, as a cheap stand-in
+    for TensorFlow's ``"get_slot_names" in dir(obj)``."""
+    obj = getattr(obj, "_pitstop_root", obj)  # a root= object behind the root's view
+    if getattr(type(obj), "get_slot_names", None) is None:
+        return []
+    return list(obj.get_slot_names())
+
+
+def _add_slot_variables(w: Walk, where: str) -> None:
+    """Append each optimizer's slot variables as TensorFlow's ``serialize_slot_variables``
+    does: optimizers in node order, slot names in their order, variables in node order; a
+    slot of a variable outside the graph is not saved (counted in ``w.dropped``)."""
+    n = len(w.objects)
+    ids = {id(o): i for i, o in enumerate(w.objects)}
+    for opt_id in range(n):
+        names = _slot_names(w.objects[opt_id])
+        if not names:
+            continue
+        opt = getattr(w.objects[opt_id], "_pitstop_root", w.objects[opt_id])
+        found = 0
+        for slot_name in names:
+            for var_id in range(n):
+                try:
+                    slot = opt.get_slot(w.objects[var_id], slot_name)
+                except (AttributeError, KeyError):
+                    slot = None
+                if slot is None:
+                    continue
+                key = [*w.keys[var_id], SLOTS, *w.keys[opt_id],
+                       trackable_utils.escape_local_name(slot_name)]
+                label = "/".join([where, *key] if where else key)
+                if id(slot) in ids or (is_trackable(slot) and slot._trackable_children()):
+                    raise UnsupportedStateError(
+                        f"{label}: this slot variable of {type(opt).__name__} is also an "
+                        "object of the graph, or has dependencies of its own; neither "
+                        "TensorFlow nor pitstop can save it. Do not track an optimizer's "
+                        "slot variables yourself.")
+                found += 1
+                sid = ids[id(slot)] = len(w.objects)
+                w.objects.append(slot)
+                w.edges.append([])
+                w.paths.append(w.paths[var_id])
+                w.keys.append(key)
+                w.extra.append(w.extra[var_id] or w.extra[opt_id])
+                w.slots.setdefault(opt_id, []).append((slot_name, var_id, sid))
+        slots = getattr(opt, "_slots", None)
+        total = sum(len(d) for d in slots.values() if isinstance(d, Mapping)) \
+            if isinstance(slots, Mapping) else found
+        if total > found:
+            w.dropped[opt_id] = total - found
 
 
 def _walk(root: Any, kids: Any) -> tuple[list[Any], list[list[tuple[str, int]]],
@@ -209,13 +292,14 @@ def _serialized(obj: Any, where: str) -> dict[str, Any] | None:
     return None
 
 
-def capture(root: Any, where: str = "") -> dict[str, Any]:
-    """The state tree of ``root``'s object graph (see the module docstring)."""
-    objects, edges, paths = walk(root)
+def capture(root: Any, where: str = "", caveats: list[str] | None = None) -> dict[str, Any]:
+    """The state tree of ``root``'s object graph (see the module docstring); what it cannot
+    save (slot variables of variables outside the graph) is said in ``caveats``."""
+    w = walk(root, where)
     tree: dict[str, Any] = {}
     graph: list[list[Any]] = []
-    for n, obj in enumerate(objects):
-        comps = key_components(paths[n])
+    for n, obj in enumerate(w.objects):
+        comps = w.keys[n]
         label = "/".join([where, *comps]) if where else "/".join(comps) or "the root"
         attrs: list[list[str]] = []
         values: dict[str, Any] = {}
@@ -244,7 +328,20 @@ def capture(root: Any, where: str = "") -> dict[str, Any]:
             for c in comps:
                 node = node.setdefault(c, {})
             node[ATTRIBUTES] = values
-        graph.append([[[name, cid] for name, cid in edges[n]], attrs])
+        node_entry: list[Any] = [[[name, cid] for name, cid in w.edges[n]], attrs]
+        if n in w.slots:  # [slot name, variable node, slot node], as TensorFlow records them
+            node_entry.append([[name, var, sid] for name, var, sid in w.slots[n]])
+        graph.append(node_entry)
+    if caveats is not None:
+        for opt_id, count in w.dropped.items():
+            kind = type(getattr(w.objects[opt_id], "_pitstop_root", w.objects[opt_id])).__name__
+            name = "/".join(w.keys[opt_id])
+            caveats.append(
+                f"{f'{name} ({kind})' if name else f'this {kind}'} holds {count} slot variable(s) (e.g. Adam's m and v) of variables that are "
+                "not in this object's graph: they are not saved, as tf.train saves a slot "
+                "only with its variable, and a resumed run would start them from zero. Put "
+                "the variables and the optimizer in one tf.train.Checkpoint or tf.Module "
+                "(e.g. Checkpoint(model=model, optimizer=opt)).")
     tree[GRAPH] = graph
     return tree
 
@@ -304,18 +401,26 @@ class Restore:
         self.tree, self.where = tree, where
         self.graph: list[list[Any]] = graph  # type: ignore[assignment]  # checked just above
         self.paths = _saved_paths(self.graph)
+        self.keys = saved_keys(self.graph, self.paths)
+        self.names = _pretty_names(self.graph, self.paths)
+        #: variable node -> its slot variables, ``(optimizer node, slot name, slot node)``
+        self.slot_refs: dict[int, list[tuple[int, str, int]]] = {}
+        for opt_sid, node in enumerate(self.graph):
+            for slot_name, var_sid, slot_sid in (node[2] if len(node) > 2 else ()):
+                self.slot_refs.setdefault(var_sid, []).append((opt_sid, slot_name, slot_sid))
         with _uid_lock:
             self.restore_uid = next(_uids)
         self.outcome = Outcome()
         if report_unrestored:
             # as tf.train: once the restore is released (no value waits for an object any
             # more), say which values no object took, unless expect_partial() was called
-            weakref.finalize(self, _report_unrestored, self.outcome, self.graph, self.paths,
+            weakref.finalize(self, _report_unrestored, self.outcome, self.graph, self.names,
                              where)
 
     def pretty(self, sid: int) -> str:
-        """tf.train's name for a saved object: ``(root).model.layer``."""
-        return ".".join(["(root)", *self.paths[sid]])
+        """tf.train's name for a saved object: ``(root).model.layer`` (a slot variable:
+        ``(root).v's state 'm' for (root).opt``)."""
+        return self.names[sid]
 
     # the attribute TensorFlow's deferred-restoration hook sorts by
     @property
@@ -323,13 +428,13 @@ class Restore:
         return self
 
     def label(self, sid: int) -> str:
-        comps = key_components(self.paths[sid])
+        comps = self.keys[sid]
         return "/".join([self.where, *comps] if self.where else comps) or (self.where or "root")
 
     def value(self, sid: int, attr: str) -> Any:
         node = self.tree
         try:
-            for c in key_components(self.paths[sid]):
+            for c in self.keys[sid]:
                 node = node[c]
             return node[ATTRIBUTES][attr]
         except (KeyError, TypeError):
@@ -347,6 +452,9 @@ class Restore:
         while queue:
             obj, s = queue.popleft()
             yield obj, s
+            for slot_sid, slot in self._slots(obj, s, defer):
+                self.outcome.match(slot_sid, slot)
+                queue.append((slot, slot_sid))
             if not self.graph[s][0]:
                 continue
             # the children the capture walked, trackable or not (a Keras layer's
@@ -363,13 +471,48 @@ class Restore:
                 self.outcome.match(cid, child)
                 queue.append((child, cid))
 
+    def _slots(self, obj: Any, sid: int, defer: bool) -> list[tuple[int, Any]]:
+        """The slot variables to match once saved node ``sid`` went to ``obj``, as
+        TensorFlow's restore queues them: those of an optimizer whose variable is matched
+        already, or of a variable whose optimizer is. A slot the optimizer has not created
+        yet is handed to it (``_create_or_restore_slot_variable``): a ``tf.compat.v1.train``
+        optimizer creates it now, holding the saved value, or restores it when it creates
+        it (``defer``; a dry run hands nothing)."""
+        node = self.graph[sid]
+        refs = [(sid, name, var, slot) for name, var, slot in (node[2] if len(node) > 2 else ())]
+        refs += [(opt, name, sid, slot) for opt, name, slot in self.slot_refs.get(sid, ())]
+        out: list[tuple[int, Any]] = []
+        for opt_sid, slot_name, var_sid, slot_sid in refs:
+            if slot_sid in self.outcome.matched or slot_sid in self.outcome.deferred:
+                continue
+            opt_ref, var_ref = self.outcome.matched.get(opt_sid), \
+                self.outcome.matched.get(var_sid)
+            opt = opt_ref() if opt_ref is not None else None
+            var = var_ref() if var_ref is not None else None
+            if opt is None or var is None:
+                continue  # the other one comes later (or never: the slot stays unresolved)
+            opt = getattr(opt, "_pitstop_root", opt)
+            try:
+                slot = opt.get_slot(var, slot_name) if _slot_names(opt) else None
+            except (AttributeError, KeyError):
+                slot = None
+            if slot is not None:
+                out.append((slot_sid, slot))
+            elif defer and hasattr(opt, "_create_or_restore_slot_variable"):
+                self.outcome.deferred.add(slot_sid)
+                opt._create_or_restore_slot_variable(
+                    slot_variable_position=_SlotPosition(self, slot_sid),
+                    slot_name=slot_name, variable=var)
+        return out
+
     def _has_values(self, sid: int, _seen: set[int] | None = None) -> bool:
         seen = _seen if _seen is not None else set()
         if sid in seen:
             return False
         seen.add(sid)
-        return bool(self.graph[sid][1]) or any(
-            self._has_values(c, seen) for _, c in self.graph[sid][0])
+        node = self.graph[sid]
+        return bool(node[1]) or (len(node) > 2 and bool(node[2])) or any(
+            self._has_values(c, seen) for _, c in node[0])
 
     def _defer(self, parent: Any, name: str, sid: int) -> None:
         self.outcome.deferred.add(sid)
@@ -464,6 +607,26 @@ class _Deferred:
         self.owner.apply(trackable, self.sid)  # eagerly, also inside a traced tf.function
 
 
+class _SlotPosition(_Deferred):
+    """A saved slot variable handed to its optimizer, which restores it when it creates it
+    (``_restore_slot_variable``), or creates it now holding the saved value (a simple
+    variable, eagerly: TensorFlow's restoring initializer)."""
+
+    @property
+    def restore_uid(self) -> int:
+        return self.owner.restore_uid
+
+    def is_simple_variable(self) -> bool:
+        node = self.owner.graph[self.sid]
+        return not node[0] and len(node[1]) == 1 and node[1][0][0] == VARIABLE_VALUE and \
+            node[1][0][2] == "variable"
+
+    def value_tensors(self, shape_and_slices: Any = None) -> dict[str, Any]:
+        where = f"{self.owner.label(self.sid)}/{ATTRIBUTES}/{VARIABLE_VALUE}"
+        value = self.owner.value(self.sid, VARIABLE_VALUE)
+        return {VARIABLE_VALUE: leaf_to_tensor(value, "variable", where)}
+
+
 def _only_name(obj: Any, where: str) -> str:
     names = list(obj._serialize_to_tensors()) if \
         saveable_object_util.trackable_has_serialize_to_tensor(obj) else []
@@ -477,19 +640,18 @@ def unrestored(outcome: Outcome, graph: list[list[Any]]) -> list[tuple[int, str 
     """Saved values no object took: ``(node, None)`` for an object never matched,
     ``(node, attribute)`` for a value its matched object takes none of."""
     out: list[tuple[int, str | None]] = [
-        (s, None) for s, (_c, attrs) in enumerate(graph) if attrs and s not in outcome.matched]
+        (s, None) for s, (_c, attrs, *_slots) in enumerate(graph) if attrs and s not in outcome.matched]
     return out + [(s, a) for s, a in outcome.unused]
 
 
-def _report_unrestored(outcome: Outcome, graph: list[list[Any]],
-                       paths: list[tuple[str, ...]], where: str) -> None:
+def _report_unrestored(outcome: Outcome, graph: list[list[Any]], pretty: list[str],
+                       where: str) -> None:
     if outcome.expect_partial:
         return
     left = unrestored(outcome, graph)
     if not left:
         return
-    names = [".".join(["(root)", *paths[s]]) + ("" if a is None else f" ({a})")
-             for s, a in left]
+    names = [pretty[s] + ("" if a is None else f" ({a})") for s, a in left]
     log.warning(
         "pitstop: a restore of %s is released while %d value(s) in the checkpoint found no "
         "object (a partial restore): %s%s. If that is intended (e.g. only the model is "
@@ -557,9 +719,13 @@ def _valid_graph(graph: Any) -> bool:
         return False
     n = len(graph)
     for node in graph:
-        if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], list)
-                and isinstance(node[1], list)):
+        if not (isinstance(node, list) and len(node) in (2, 3) and isinstance(node[0], list)
+                and isinstance(node[1], list) and (len(node) == 2 or isinstance(node[2], list))):
             return False
+        for ref in node[2] if len(node) == 3 else ():  # [slot name, variable, slot variable]
+            if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str)
+                    and all(type(i) is int and 0 <= i < n for i in ref[1:])):
+                return False
         for edge in node[0]:
             if not (isinstance(edge, list) and len(edge) == 2 and isinstance(edge[0], str)
                     and type(edge[1]) is int and 0 <= edge[1] < n):
@@ -585,6 +751,27 @@ def _saved_paths(graph: list[list[Any]]) -> list[tuple[str, ...]]:
                 paths[cid] = (*base, name)
                 queue.append(cid)
     return [p if p is not None else ("<unreachable>",) for p in paths]
+
+
+def saved_keys(graph: list[list[Any]], paths: list[tuple[str, ...]] | None = None
+               ) -> list[list[str]]:
+    """Each saved node's key components: its path's, or a slot variable's
+    (``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot name>``, as TensorFlow keys it)."""
+    paths = paths if paths is not None else _saved_paths(graph)
+    keys = [key_components(p) for p in paths]
+    for opt_sid, node in enumerate(graph):
+        for slot_name, var_sid, slot_sid in (node[2] if len(node) > 2 else ()):
+            keys[slot_sid] = [*keys[var_sid], SLOTS, *keys[opt_sid],
+                              trackable_utils.escape_local_name(slot_name)]
+    return keys
+
+
+def _pretty_names(graph: list[list[Any]], paths: list[tuple[str, ...]]) -> list[str]:
+    names = [".".join(["(root)", *p]) for p in paths]
+    for opt_sid, node in enumerate(graph):
+        for slot_name, var_sid, slot_sid in (node[2] if len(node) > 2 else ()):
+            names[slot_sid] = f"{names[var_sid]}'s state {slot_name!r} for {names[opt_sid]}"
+    return names
 
 
 def restore_into(live: Any, tree: Any, where: str = "", restore: Restore | None = None

@@ -154,14 +154,14 @@ class CheckpointLoadStatus:
         self._root, self._restore, self._path = root, restore, path
 
     def _live_with_values(self) -> list[tuple[tuple[str, ...], Any]]:
-        objects, _edges, paths = _graph.walk(self._root)
+        w = _graph.walk(self._root)
         out = []
-        for obj, path in zip(objects, paths, strict=True):
-            if any(_graph.is_extra(p) for p in path):
+        for obj, key, extra in zip(w.objects, w.keys, w.extra, strict=True):
+            if extra:
                 continue  # pitstop's own additions (Keras seed state): tf.train has no such
             if _graph.base_variable(obj) is not None or (
                     _graph.is_trackable(obj) and _graph.serializes(obj)):
-                out.append((path, obj))
+                out.append((tuple(key), obj))
         return out
 
     def _without_value(self) -> list[str]:
@@ -175,7 +175,7 @@ class CheckpointLoadStatus:
         r = self._need()
         # as tf.train: every saved object holding values has its live object (those
         # deferred count once their object is created)
-        unmatched = [r.label(s) for s, (_c, attrs) in enumerate(r.graph)
+        unmatched = [r.label(s) for s, (_c, attrs, *_slots) in enumerate(r.graph)
                      if attrs and s not in r.outcome.matched]
         if unmatched:
             raise AssertionError(

@@ -58,18 +58,18 @@ def read_native(prefix: str) -> dict[str, Any]:
                 kind = ("variable" if name == _graph.VARIABLE_VALUE else
                         f"serialized:{dt.name}" if dt in (tf.variant, tf.string) else "tensor")
                 attrs.append([name, tname, kind, key])
-        if node.slot_variables:
-            log.warning("pitstop: %s holds slot variables of a TF1-style optimizer (%d of them "
-                        "on one node); they are not imported: a Keras 3 optimizer keeps its "
-                        "state as ordinary variables", prefix, len(node.slot_variables))
-        graph.append([kids, attrs])
+        entry: list[Any] = [kids, attrs]
+        if node.slot_variables:  # a tf.compat.v1.train optimizer's (Adam's m and v)
+            entry.append([[r.slot_name, int(r.original_variable_node_id),
+                           int(r.slot_variable_node_id)] for r in node.slot_variables])
+        graph.append(entry)
     tree: dict[str, Any] = {}
-    paths = _graph._saved_paths(graph)
-    for sid, (_kids, attrs) in enumerate(graph):
+    keys = _graph.saved_keys(graph)
+    for sid, (_kids, attrs, *_slots) in enumerate(graph):
         if not attrs:
             continue
         node = tree
-        for c in _graph.key_components(paths[sid]):
+        for c in keys[sid]:
             node = node.setdefault(c, {})
         values = node.setdefault(_graph.ATTRIBUTES, {})
         for attr in attrs:
