@@ -12,11 +12,17 @@ once (an object reachable by several paths is saved at the first one, as TensorF
 kind], ...]``. Path components are TensorFlow's escaped local names, so every array sits at the
 key TensorFlow's own checkpoint uses (``opt/_iterations/.ATTRIBUTES/VARIABLE_VALUE``).
 
+Slot variables of ``tf.compat.v1.train`` optimizers (Adam's ``m`` and ``v``: no object's
+dependencies) follow the other nodes, as TensorFlow lists them; the optimizer's node then has a
+third element, ``[[slot name, variable node id, slot node id], ...]``, and each slot sits at
+TensorFlow's key for it (``v/.OPTIMIZER_SLOT/opt/m/.ATTRIBUTES/VARIABLE_VALUE``).
+
 A restore walks the saved graph from the root together with the live objects, matching
 children by local name, exactly as TensorFlow does: renaming a Python attribute breaks a
 restore as it does in TensorFlow, and no more. Values whose object does not exist yet are
 queued on its parent through TensorFlow's own deferred-restoration hook, so a layer built after
-the restore gets its values when it creates its variables.
+the restore gets its values when it creates its variables; a slot variable is handed to its
+optimizer, which creates it holding its value or restores it when it creates it.
 """
 
 from __future__ import annotations
