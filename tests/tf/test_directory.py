@@ -58,12 +58,14 @@ def native_run(directory, steps):
     return model, opt, step, ck, mgr
 
 
-def test_changing_the_import_resumes_from_tf_train_checkpoints(tmp_path):
+def test_changing_the_import_resumes_from_tf_train_checkpoints(tmp_path, monkeypatch):
     """A tf.train job for 4 steps, then the same directory with pitstop's classes for 3
     more, against 7 uninterrupted tf.train steps: same weights, optimizer, step and
     save_counter; numbering, ``checkpoints``, retention over the native and pitstop
-    checkpoints, ``latest_checkpoint`` (pitstop's and tf.train's) as tf.train's."""
-    ref_dir, d = str(tmp_path / "ref"), str(tmp_path / "run")
+    checkpoints, ``latest_checkpoint`` (pitstop's and tf.train's) as tf.train's. Relative
+    paths, as a job started in its run folder gives them."""
+    monkeypatch.chdir(tmp_path)
+    ref_dir, d = "ref", "run"
     ref = native_run(ref_dir, 4)
     ref_mgr = ref[4]
     for _ in range(3):

@@ -62,7 +62,8 @@ def state(directory: str, name: str) -> dict[str, Any] | None:
     on_disk = steps(directory, name)
 
     def number(path: str) -> int | None:
-        head, base = os.path.split(os.path.abspath(os.path.join(directory, path)))
+        # (get_checkpoint_state joined a relative path to the directory already)
+        head, base = os.path.split(os.path.abspath(path))
         if head != os.path.abspath(directory) or not base.startswith(name):
             return None
         rest = base[len(name):]
