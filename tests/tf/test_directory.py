@@ -19,6 +19,7 @@ keras = pytest.importorskip("keras")
 from tf_helpers import make_model, same, train_step, values  # noqa: E402
 
 import pitstop  # noqa: E402
+import pitstop.adapters.tf  # noqa: E402
 from pitstop.adapters.tf import Checkpoint, CheckpointManager, latest_checkpoint  # noqa: E402
 
 PEERS = {"tf": (tf.train.Checkpoint, tf.train.CheckpointManager),
@@ -242,11 +243,12 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["tf", "pitstop"])
-def test_missing_checkpoints_and_checkpoint_options(kind, tmp_path, caplog):
+def test_missing_checkpoints_and_checkpoint_options(kind, tmp_path, caplog, monkeypatch):
     """A missing checkpoint is a tf.errors.NotFoundError (and pitstop's own error); options
     of the wrong type are refused; a CheckpointOptions' write callbacks are called with the
     path, once per save, after it is written."""
     Ckpt, Manager = PEERS[kind]
+    monkeypatch.setattr(pitstop.adapters.tf.checkpoint, "_warned_options", set())  # once
     d = str(tmp_path)
     ck = Ckpt(v=tf.Variable(1.0))
     called = []
@@ -271,7 +273,8 @@ def test_missing_checkpoints_and_checkpoint_options(kind, tmp_path, caplog):
         with pytest.raises(tf.errors.NotFoundError) as e:
             ck.restore(os.path.join(d, missing))
         if kind == "pitstop":
-            assert isinstance(e.value, pitstop.CheckpointError)
+            assert isinstance(e.value, pitstop.CheckpointNotFoundError)
+            assert isinstance(e.value, pitstop.adapters.tf.NotFoundError)
             assert missing.split("/")[-1] in str(e.value)
     # tf.train fails on the options' attributes (AttributeError); pitstop refuses them
     refused = AttributeError if kind == "tf" else pitstop.InvalidArgumentError

@@ -673,7 +673,9 @@ class CheckpointManager:
     ``keep_checkpoint_every_n_hours`` for what falls out of it), carried across restarts in
     the newest checkpoint's manifest as tf.train carries it in its ``checkpoint`` file. Saves
     return after the snapshot (``sync()`` waits for the commit); a checkpoint the sweep
-    drops is deleted once the newer one is committed."""
+    drops is deleted once the newer one is committed. tf.train's own checkpoints of this
+    name in the directory (its ``checkpoint`` state file) are listed, restored from and
+    swept as tf.train's manager would (:mod:`._native`)."""
 
     def __init__(self, checkpoint: Checkpoint | tf.train.Checkpoint, directory: Any,
                  max_to_keep: int | None, keep_checkpoint_every_n_hours: float | None = None,
@@ -731,8 +733,16 @@ class CheckpointManager:
             if state is not None:
                 log.info("pitstop: %s holds tf.train checkpoints; resuming from %s",
                          self._directory, self._path(state["latest"]))
+        #: the newest checkpoint of another name in the directory, the latest until this
+        #: manager saves when it has none of its own: tf.train's one ``checkpoint`` file
+        #: per directory names it (a run continued from ``Checkpoint.save(dir/other)``)
+        self._foreign: str | None = None
         if state is None:
             self._last_preserved = now
+            other = latest_checkpoint(self._directory)
+            if other is not None and not os.path.basename(other).startswith(
+                    f"{checkpoint_name}-"):
+                self._foreign = other
             return
         steps = set(self._mgr.all_steps()) | self._native
         self._last_preserved = float(state.get("last_preserved", 0.0))
@@ -767,7 +777,9 @@ class CheckpointManager:
     def latest_checkpoint(self) -> str | None:
         """The path of the checkpoint saved last (a save in flight included), or None."""
         self._forget_lost()
-        return None if self._latest is None else self._path(self._latest)
+        if self._latest is None:
+            return self._foreign
+        return self._path(self._latest)
 
     @property
     def checkpoints(self) -> list[str]:
@@ -886,7 +898,9 @@ class CheckpointManager:
         """Restore the newest checkpoint (returns its path) or call ``init_fn`` (returns
         None)."""
         latest = self.latest_checkpoint
-        if latest is not None:
+        if latest is not None and self._latest is None:  # another name's (tf.train's too)
+            self._restore_path(latest)
+        elif latest is not None:
             latest = self._restore_newest_valid()
         if latest is not None:
             if self._checkpoint_interval is not None:
