@@ -19,7 +19,7 @@ keras = pytest.importorskip("keras")
 from tf_helpers import make_model, same, train_step, values  # noqa: E402
 
 import pitstop  # noqa: E402
-import pitstop.adapters.tf  # noqa: E402
+import pitstop.adapters.tf._options  # noqa: E402
 from pitstop.adapters.tf import Checkpoint, CheckpointManager, latest_checkpoint  # noqa: E402
 
 PEERS = {"tf": (tf.train.Checkpoint, tf.train.CheckpointManager),
@@ -248,7 +248,7 @@ def test_missing_checkpoints_and_checkpoint_options(kind, tmp_path, caplog, monk
     of the wrong type are refused; a CheckpointOptions' write callbacks are called with the
     path, once per save, after it is written."""
     Ckpt, Manager = PEERS[kind]
-    monkeypatch.setattr(pitstop.adapters.tf.checkpoint, "_warned_options", set())  # once
+    monkeypatch.setattr(pitstop.adapters.tf._options, "_warned_options", set())  # once
     d = str(tmp_path)
     ck = Ckpt(v=tf.Variable(1.0))
     called = []

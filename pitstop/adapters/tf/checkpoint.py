@@ -49,6 +49,8 @@ from ...core.errors import (
 from ...core.memtier import MemoryTier
 from ...core.policy import CheckpointInfo
 from . import _graph, _native
+from ._options import call_back as _call_back
+from ._options import check as _options
 
 log = logging.getLogger("pitstop")
 
@@ -433,49 +435,6 @@ class Checkpoint:
                     "some objects may already hold the checkpoint's values") from e
             raise
         return CheckpointLoadStatus(view, r, path)
-
-
-def _call_back(fn: Callable[..., Any], path: str) -> None:
-    """A write callback of ``CheckpointOptions``, called as tf.train calls it (with the save
-    path when it takes an argument), once the checkpoint is committed."""
-    import inspect
-    try:
-        takes = bool(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        takes = True
-    try:
-        fn(path) if takes else fn()
-    except Exception:  # the checkpoint is committed: a failing callback does not undo it
-        log.exception("pitstop: the write callback %r failed for %s", fn, path)
-
-
-#: the CheckpointOptions fields pitstop has no use for, each said once
-_IGNORED_OPTIONS = {
-    "experimental_io_device": "pitstop reads and writes its files from the host",
-    "experimental_sharding_callback": "pitstop lays out its own data files",
-    "experimental_skip_slot_variables": "every variable the object graph reaches is saved "
-                                        "and restored",
-}
-_warned_options: set[str] = set()
-
-
-def _options(options: Any, call: str) -> Any:
-    """``options`` checked as tf.train's ``CheckpointOptions``: None, or one whose
-    ``experimental_write_callbacks`` are honoured (called after the commit) and whose
-    ``enable_async`` pitstop's asynchronous saves already give; fields pitstop has no use
-    for are said once to be ignored."""
-    if options is None:
-        return None
-    if not isinstance(options, tf.train.CheckpointOptions):
-        raise InvalidArgumentError(
-            f"{call}(options=...) takes a tf.train.CheckpointOptions, got "
-            f"{type(options).__name__} {options!r}")
-    for field, why in _IGNORED_OPTIONS.items():
-        if getattr(options, field, None) and field not in _warned_options:
-            _warned_options.add(field)
-            log.warning("pitstop: CheckpointOptions(%s=%r) is ignored: %s", field,
-                        getattr(options, field), why)
-    return options
 
 
 def _replace_native(prefix: str) -> None:
