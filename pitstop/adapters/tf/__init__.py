@@ -30,6 +30,7 @@ from .checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
     CheckpointManager,
+    NotFoundError,
     latest_checkpoint,
 )
 
@@ -38,4 +39,4 @@ for _adapter in (VariableAdapter(), TrackableAdapter(), TensorHint()):
 register_rng_provider("tensorflow", _rng.get_state, _rng.set_state, module="tensorflow")
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointLoadStatus", "latest_checkpoint",
-           "VariableLeaf"]
+           "NotFoundError", "VariableLeaf"]

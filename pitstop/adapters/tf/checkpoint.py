@@ -22,11 +22,13 @@ run directory of its own holding one checkpoint.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,11 +43,14 @@ from ...core import memtier as memtier_mod
 from ...core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     InvalidArgumentError,
 )
 from ...core.memtier import MemoryTier
 from ...core.policy import CheckpointInfo
-from . import _graph
+from . import _graph, _native
+from ._options import call_back as _call_back
+from ._options import check as _options
 
 log = logging.getLogger("pitstop")
 
@@ -88,10 +93,15 @@ class _Runs:
                 {"step_prefix": name, "step_digits": 0} if name else
                 {"step_prefix": "ckpt-", "step_digits": 0})
             if not create and not os.path.isdir(directory):
-                raise CheckpointNotFoundError(f"no checkpoint at {directory}")
+                raise NotFoundError(f"no checkpoint at {directory}: no such directory")
+            directory = run_directory(directory, name)
+            if not create and not os.path.isdir(directory):
+                raise NotFoundError(
+                    f"no checkpoint named {name}<N> in {os.path.dirname(directory)}")
             doomed: set[int] = set()
-            if create:
-                options["retention"] = [_Doomed(doomed)]
+            policy = _Doomed(doomed) if create else None
+            if policy is not None:
+                options["retention"] = [policy]
             mgr = _CoreManager(directory, read_only=not create, save_on_signals=None,
                                **naming, **options)
             if not create and _persist_memory_tier(mgr, directory):
@@ -99,8 +109,34 @@ class _Runs:
                 mgr = _CoreManager(directory, read_only=True, save_on_signals=None,
                                    **naming, **options)
             _RunState.of(mgr).doomed = doomed
+            _RunState.of(mgr).policy = policy
             cls._open[(real, name or "ckpt-")] = weakref.ref(mgr)
             return mgr
+
+
+#: where the checkpoints of a second name live in a directory (``model-N`` and ``best-N``)
+SIDE_RUNS = ".pitstop-"
+
+
+def run_directory(directory: str, name: str) -> str:
+    """The pitstop run directory that holds the checkpoints ``<directory>/<name><N>``.
+
+    A pitstop run directory names its checkpoints one way, so the name ``directory`` was
+    created with lives in ``directory`` itself, and every other name in a hidden run
+    directory beside them, ``<directory>/.pitstop-<name>`` (``.pitstop-best-``): tf.train
+    keeps ``model-N`` and ``best-N`` in one folder, and so do these paths. A directory
+    that is not a pitstop one yet is taken by the first name written to it."""
+    if not name:
+        return directory
+    try:
+        probe = _CoreManager(directory, read_only=True, save_on_signals=None)
+    except CheckpointError:
+        return directory
+    try:
+        mine = not probe.directory_id or probe.naming.prefix == name
+    finally:
+        probe.close()
+    return directory if mine else os.path.join(directory, SIDE_RUNS + name)
 
 
 def _persist_memory_tier(reader: _CoreManager, directory: str) -> bool:
@@ -137,12 +173,47 @@ def _persist_memory_tier(reader: _CoreManager, directory: str) -> bool:
 
 class _Doomed:
     """pitstop's retention policy for a run directory the adapter writes: keep every
-    checkpoint but those tf.train's sweep deleted (see :meth:`CheckpointManager._sweep`)."""
+    checkpoint but those tf.train's sweep deleted (see :meth:`CheckpointManager._sweep`).
+
+    It runs after each commit, which is also when what tf.train's manager does to the native
+    checkpoints of a mixed directory happens: the native ones the sweep dropped are deleted
+    once the save that dropped them is committed, and tf.train's ``checkpoint`` file is
+    rewritten to name the newest committed checkpoint (:mod:`._native`)."""
 
     def __init__(self, doomed: set[int]) -> None:
         self.doomed = doomed
+        #: native checkpoints to delete: prefix -> the step whose commit drops it
+        self.natives: dict[str, int] = {}
+        #: tf.train state files to write: step -> (directory, latest, managed, preserved)
+        self.tf_states: dict[int, tuple[str, str, list[tuple[str, float]], float]] = {}
+        #: CheckpointOptions.experimental_write_callbacks: step -> [(callback, path)]
+        self.callbacks: dict[int, list[tuple[Callable[..., Any], str]]] = {}
+        self._lock = threading.Lock()
+
+    def forget(self, step: int) -> None:
+        """A save of ``step`` that raised: what was to follow its commit does not."""
+        with self._lock:
+            for p in [p for p, s in self.natives.items() if s == step]:
+                del self.natives[p]
+            self.tf_states.pop(step, None)
+            self.callbacks.pop(step, None)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        committed = {c.step for c in checkpoints}
+        with self._lock:
+            done = {p for p, s in self.natives.items() if s in committed}
+            for p in done:
+                del self.natives[p]
+            ready = [s for s in self.tf_states if s in committed]  # in save order
+            states = [self.tf_states.pop(s) for s in ready]
+            calls = [c for s in [s for s in self.callbacks if s in committed]
+                     for c in self.callbacks.pop(s)]
+        for p in sorted(done):
+            _native.delete(p)
+        if states:  # the newest recorded state among those committed now
+            _native.record(*states[-1])
+        for fn, path in calls:
+            _call_back(fn, path)
         return {c.step for c in checkpoints if c.step not in self.doomed}
 
 
@@ -270,27 +341,51 @@ class Checkpoint:
     def write(self, file_prefix: str | os.PathLike[str], options: Any = None) -> str:
         """Write a checkpoint at exactly ``file_prefix``; returns it once the snapshot is
         taken (the commit follows in the background; ``sync()`` waits)."""
-        return self._write(_fspath(file_prefix, "file_prefix"), record=False)
+        return self._write(_fspath(file_prefix, "file_prefix"), record=False,
+                           options=_options(options, "write"))
 
     def save(self, file_prefix: str | os.PathLike[str], options: Any = None) -> str:
         """Increment ``save_counter`` and write ``<file_prefix>-<save_counter>``; a
         ``CheckpointManager`` made later on that directory starts from it (``latest_checkpoint``),
         as from tf.train's ``checkpoint`` file, and does not delete it."""
         prefix = _fspath(file_prefix, "file_prefix")
+        options = _options(options, "save")
         self._tf.save_counter.assign_add(1)
-        return self._write(f"{prefix}-{int(self._tf.save_counter.numpy())}", record=True)
+        return self._write(f"{prefix}-{int(self._tf.save_counter.numpy())}", record=True,
+                           options=options)
 
-    def _write(self, path: str, record: bool) -> str:
+    def _write(self, path: str, record: bool | None = None, options: Any = None) -> str:
+        if record is None:  # tf.train.CheckpointManager(pitstop_checkpoint, ...).save()
+            raise InvalidArgumentError(
+                "a pitstop.adapters.tf.Checkpoint is saved by pitstop.adapters.tf."
+                "CheckpointManager: change tf.train.CheckpointManager to it too (same "
+                "arguments); tf.train's manager cannot list or delete pitstop checkpoints")
         directory, name, step = _split(path)
         mgr = self._manager(directory, name)
         step = step if name else _ONLY
         if step in mgr.all_steps():
             _overwrite(mgr, step, path)
+        if _native.exists(path):
+            _replace_native(path)
         run = _RunState.of(mgr)
         run.doomed.discard(step)
         meta = {_STATE: run.record({"latest": step, "managed": [], "last_preserved": 0.0})} \
             if record else None
-        mgr.save(step, _graph_root(self._tf), user_metadata=meta)
+        policy = run.policy
+        if policy is not None:  # (before the save: a synchronous one commits inside it)
+            with policy._lock:
+                if record and _native.has_state_file(directory):
+                    # tf.train's save names it in the directory's checkpoint file
+                    policy.tf_states[step] = (directory, path, [(path, time.time())], 0.0)
+                if options is not None and options.experimental_write_callbacks:
+                    policy.callbacks[step] = [
+                        (f, path) for f in options.experimental_write_callbacks]
+        try:
+            mgr.save(step, _graph_root(self._tf), user_metadata=meta)
+        except BaseException:
+            if policy is not None:
+                policy.forget(step)
+            raise
         return path
 
     def _manager(self, directory: str, name: str, **options: Any) -> _CoreManager:
@@ -313,6 +408,7 @@ class Checkpoint:
         """Restore from ``save_path`` (as written by ``write``), as tf.train's ``read``: only
         the objects that exist are restored, and ``save_counter`` is not created, so
         ``read(write(p)).assert_consumed()`` passes."""
+        _options(options, "read")
         return self._read(save_path, counter=False)
 
     def restore(self, save_path: str | os.PathLike[str] | None,
@@ -322,6 +418,7 @@ class Checkpoint:
         ``None`` restores nothing (a fresh run), as tf.train does. As tf.train's, it then
         creates ``save_counter`` (restored if the checkpoint holds one: one ``write`` wrote
         without a ``save`` before holds none, which ``assert_consumed()`` reports)."""
+        _options(options, "restore")
         return self._read(save_path, counter=True)
 
     def _read(self, save_path: str | os.PathLike[str] | None, counter: bool
@@ -352,6 +449,22 @@ class Checkpoint:
                     "some objects may already hold the checkpoint's values") from e
             raise
         return CheckpointLoadStatus(view, r, path)
+
+
+def _replace_native(prefix: str) -> None:
+    """A save at the path of a native TensorFlow checkpoint replaces it, as tf.train's does:
+    its files go first, so the path names one checkpoint only."""
+    log.warning("pitstop: saving %s replaces the tf.train checkpoint of that name (its "
+                ".index and .data-* files are deleted), as tf.train would overwrite it", prefix)
+    _native.delete(prefix)
+
+
+class NotFoundError(CheckpointNotFoundError, tf.errors.NotFoundError):
+    """No checkpoint at the path given: a pitstop ``CheckpointNotFoundError`` that
+    ``except tf.errors.NotFoundError`` catches too, as tf.train's restore raises it."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.NotFoundError.__init__(self, None, None, message)
 
 
 def _unwrap(value: Any) -> Any:
@@ -426,13 +539,21 @@ def read_tree(path: str, runs: dict[Any, _CoreManager] | None = None) -> Any:
         if d == os.path.abspath(directory) and n == name and not m._closed:
             mgr = m
     if mgr is None:
-        mgr = _Runs.get(directory, name, create=False)
+        try:
+            mgr = _Runs.get(directory, name, create=False)
+        except NotFoundError as e:
+            raise NotFoundError(f"no checkpoint at {path} ({e})") from None
     mgr.wait()
     if step not in mgr.all_steps():
-        raise CheckpointNotFoundError(
+        raise NotFoundError(
             f"no checkpoint at {path}: {directory} holds "
             f"{[f'{name}{s}' for s in mgr.all_steps()] or 'none'}")
-    return mgr.load(step)
+    try:
+        return mgr.load(step)
+    except CheckpointNotFoundError as e:  # deleted meanwhile
+        if isinstance(e, NotFoundError):
+            raise
+        raise NotFoundError(f"no checkpoint at {path}: {e}") from e
 
 
 def _overwrite(mgr: _CoreManager, step: int, path: str) -> None:
@@ -466,6 +587,8 @@ class _RunState:
         self.doomed: set[int] = set()
         self.seq: int | None = None
         self.state: dict[str, Any] | None = None  # the newest, once saved or read
+        #: the retention policy of a writer (None for a reader)
+        self.policy: _Doomed | None = None
 
     @classmethod
     def of(cls, mgr: _CoreManager) -> _RunState:
@@ -523,7 +646,9 @@ class CheckpointManager:
     ``keep_checkpoint_every_n_hours`` for what falls out of it), carried across restarts in
     the newest checkpoint's manifest as tf.train carries it in its ``checkpoint`` file. Saves
     return after the snapshot (``sync()`` waits for the commit); a checkpoint the sweep
-    drops is deleted once the newer one is committed."""
+    drops is deleted once the newer one is committed. tf.train's own checkpoints of this
+    name in the directory (its ``checkpoint`` state file) are listed, restored from and
+    swept as tf.train's manager would (:mod:`._native`)."""
 
     def __init__(self, checkpoint: Checkpoint | tf.train.Checkpoint, directory: Any,
                  max_to_keep: int | None, keep_checkpoint_every_n_hours: float | None = None,
@@ -572,11 +697,27 @@ class CheckpointManager:
         #: fails in the background, ``latest_checkpoint`` falls back to the one before it
         self._saved: list[int] = []
         now = time.time()
+        #: the numbers of tf.train's own checkpoints of this name in the directory (a run
+        #: that changed only its import): managed, restored and swept as tf.train's
+        self._native = _native.steps(self._directory, f"{checkpoint_name}-")
         state = self._run.recover()
+        if state is None and self._native:
+            state = _native.state(self._directory, f"{checkpoint_name}-")
+            if state is not None:
+                log.info("pitstop: %s holds tf.train checkpoints; resuming from %s",
+                         self._directory, self._path(state["latest"]))
+        #: the newest checkpoint of another name in the directory, the latest until this
+        #: manager saves when it has none of its own: tf.train's one ``checkpoint`` file
+        #: per directory names it (a run continued from ``Checkpoint.save(dir/other)``)
+        self._foreign: str | None = None
         if state is None:
             self._last_preserved = now
+            other = latest_checkpoint(self._directory)
+            if other is not None and not os.path.basename(other).startswith(
+                    f"{checkpoint_name}-"):
+                self._foreign = other
             return
-        steps = set(self._mgr.all_steps())
+        steps = set(self._mgr.all_steps()) | self._native
         self._last_preserved = float(state.get("last_preserved", 0.0))
         if now < self._last_preserved:
             log.warning(
@@ -609,7 +750,9 @@ class CheckpointManager:
     def latest_checkpoint(self) -> str | None:
         """The path of the checkpoint saved last (a save in flight included), or None."""
         self._forget_lost()
-        return None if self._latest is None else self._path(self._latest)
+        if self._latest is None:
+            return self._foreign
+        return self._path(self._latest)
 
     @property
     def checkpoints(self) -> list[str]:
@@ -624,7 +767,7 @@ class CheckpointManager:
         that raised is not recorded, so it is not listed, not the latest, and does not count
         towards ``max_to_keep`` (which would delete a good checkpoint in its place)."""
         try:
-            steps = set(self._mgr.all_steps())
+            steps = set(self._mgr.all_steps()) | self._native
         except CheckpointError:  # a forked child: the parent's manager is not usable here
             return
         for step in [s for s in self._maybe_delete if s not in steps]:
@@ -666,11 +809,16 @@ class CheckpointManager:
         counter.assign_add(1)
         number = _integer(counter if checkpoint_number is None else checkpoint_number,
                           "checkpoint_number")
+        options = _options(options, "save")
         now = time.time()
         self._forget_lost()
         if number in self._mgr.all_steps():
             _overwrite(self._mgr, number, self._path(number))
+        if number in self._native:
+            _replace_native(self._path(number))
+            self._native.discard(number)
         # as tf.train, a save that raises records nothing: its state is put back
+        natives = set(self._native)
         before = (dict(self._maybe_delete), self._latest, list(self._saved),
                   self._last_preserved, set(self._run.doomed), self._run.state)
         try:
@@ -679,12 +827,17 @@ class CheckpointManager:
             self._maybe_delete[number] = now
             self._latest = number
             self._saved = [*(s for s in self._saved if s != number), number]
-            self._run.doomed.update(self._sweep())
+            swept = self._sweep()
+            self._run.doomed.update(swept - self._native)
             state = self._run.record({
                 "latest": number, "managed": [[s, t] for s, t in self._maybe_delete.items()],
                 "last_preserved": self._last_preserved})
+            self._after_commit(number, swept, options)
             self._mgr.save(number, _graph_root(self._root), user_metadata={_STATE: state})
         except BaseException:
+            if self._run.policy is not None:
+                self._run.policy.forget(number)
+            self._native = natives
             (self._maybe_delete, self._latest, self._saved, self._last_preserved, doomed,
              self._run.state) = before
             self._run.doomed.clear()
@@ -692,20 +845,37 @@ class CheckpointManager:
             raise
         return self._path(number)
 
+    def _after_commit(self, number: int, swept: set[int], options: Any) -> None:
+        """What happens once the save of ``number`` is committed (in pitstop's retention
+        pass, registered before the save, as a synchronous one commits inside it): the native
+        checkpoints its sweep dropped are deleted, tf.train's
+        ``checkpoint`` file (of a directory that has one) names it, and the
+        ``experimental_write_callbacks`` of its options are called with its path."""
+        policy = self._run.policy
+        if policy is None:
+            return
+        with policy._lock:
+            for s in swept & self._native:
+                policy.natives[self._path(s)] = number
+            if _native.has_state_file(self._directory):
+                policy.tf_states[number] = (
+                    self._directory, self._path(number),
+                    [(self._path(s), t) for s, t in self._maybe_delete.items()],
+                    self._last_preserved)
+            if options is not None and options.experimental_write_callbacks:
+                policy.callbacks[number] = [
+                    (f, self._path(number)) for f in options.experimental_write_callbacks]
+        self._native -= swept
+
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint (returns its path) or call ``init_fn`` (returns
         None)."""
         latest = self.latest_checkpoint
+        if latest is not None and self._latest is None:  # another name's (tf.train's too)
+            self._restore_path(latest)
+        elif latest is not None:
+            latest = self._restore_newest_valid()
         if latest is not None:
-            if isinstance(self._checkpoint, Checkpoint):
-                self._checkpoint.restore(latest)
-            else:
-                view = _graph_root(self._root)
-                tree = read_tree(latest, {
-                    (os.path.abspath(self._directory), f"{self._name}-"): self._mgr})
-                r = _graph.Restore(tree, os.path.basename(latest))
-                r.check(view)
-                _graph.restore_into(view, tree, os.path.basename(latest), restore=r)
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _integer(self._step_counter, "step_counter")
             return latest
@@ -713,6 +883,49 @@ class CheckpointManager:
         if self._init_fn is not None:
             self._init_fn()
         return None
+
+    def _restore_newest_valid(self) -> str | None:
+        """Restore ``latest_checkpoint``, or, when it is corrupt, the newest valid one before
+        it, loudly (as pitstop's manager restores; the corrupt one is moved aside when
+        pitstop wrote it, left in place when tf.train did). Returns the path restored."""
+        assert self._latest is not None
+        older = sorted((set(self._mgr.all_steps()) | self._native) - {self._latest},
+                       reverse=True)
+        for step in [self._latest, *older]:
+            path = self._path(step)
+            try:
+                self._restore_path(path)
+            except CorruptCheckpointError as e:
+                msg = (f"pitstop: checkpoint {path} is corrupt ({e}); falling back to the "
+                       "previous one")
+                log.error(msg)
+                warnings.warn(msg, stacklevel=3)
+                if step in self._mgr.all_steps():
+                    self._mgr._quarantine(step)
+                self._maybe_delete.pop(step, None)
+                self._saved = [s for s in self._saved if s != step]
+                self._native.discard(step)  # (a save of its number replaces its files)
+                continue
+            self._latest = step
+            if step not in self._saved:
+                self._saved.append(step)
+            return path
+        self._latest = None
+        raise CorruptCheckpointError(
+            f"no valid checkpoint in {self._directory}: every {self._name}-<N> failed "
+            "verification (see the warnings above); pitstop's were moved aside, so "
+            "restore_or_initialize() again starts from scratch", checkpoint=self._directory)
+
+    def _restore_path(self, path: str) -> None:
+        if isinstance(self._checkpoint, Checkpoint):
+            self._checkpoint.restore(path)
+            return
+        view = _graph_root(self._root)
+        tree = read_tree(path, {
+            (os.path.abspath(self._directory), f"{self._name}-"): self._mgr})
+        r = _graph.Restore(tree, os.path.basename(path))
+        r.check(view)
+        _graph.restore_into(view, tree, os.path.basename(path), restore=r)
 
     def sync(self) -> None:
         """Wait for every save to commit (raises a failed one)."""
@@ -731,6 +944,18 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str],
     d = _fspath(checkpoint_dir, "checkpoint_dir")
     if not os.path.isdir(os.path.join(d, ".pitstop")):
         return tf.train.latest_checkpoint(d, latest_filename)
+    # every name of the directory (its own and those beside it, see run_directory): the
+    # one saved last, as tf.train's one ``checkpoint`` file per directory says
+    runs = [d, *sorted(glob.glob(os.path.join(glob.escape(d), SIDE_RUNS + "*")))]
+    found = [f for r in runs if os.path.isdir(os.path.join(r, ".pitstop"))
+             and (f := _latest_in(r)) is not None]
+    if not found:  # nothing of pitstop's yet: tf.train's own checkpoints, if any
+        return tf.train.latest_checkpoint(d, latest_filename)
+    return os.path.join(d, max(found)[1])
+
+
+def _latest_in(d: str) -> tuple[float, str] | None:
+    """(saved when, name) of the checkpoint saved last in the pitstop run directory ``d``."""
     reader = _CoreManager(d, read_only=True, save_on_signals=None)
     try:
         prefix = reader.naming.prefix
@@ -746,7 +971,13 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str],
         latest = state.get("latest") if state is not None else None
         if not isinstance(latest, int) or latest not in steps:
             latest = steps[-1] if steps else None
-        return None if latest is None else os.path.join(d, mgr.naming.name(latest))
+        if latest is None:
+            return None
+        try:
+            when = mgr.metadata(latest).created_unix
+        except (CheckpointError, OSError):
+            when = 0.0
+        return when, mgr.naming.name(latest)
     finally:
         reader.close()
 
