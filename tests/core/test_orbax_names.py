@@ -1,5 +1,5 @@
 """The names Orbax users call on a manager: ``should_save``, ``best_step``,
-``reached_preemption``, ``wait_until_finished`` (against Orbax itself, loop by loop:
+``reached_preemption``, ``wait_until_finished``, the ``OnSteps`` policy (against Orbax itself, loop by loop:
 tests/jax/test_migration_orbax.py; with real processes: tests/jax/test_multiprocess.py)."""
 
 from __future__ import annotations
@@ -80,3 +80,15 @@ def test_reached_preemption_is_agreed_by_every_rank(tmp_path: Path) -> None:
             mgr.close()
 
     assert ranks(2, job) == [(False, True, signal.SIGTERM)] * 2
+
+
+def test_on_steps_saves_the_steps_it_names_and_refuses_what_is_not_a_step(tmp_path: Path
+                                                                        ) -> None:
+    with manager(tmp_path / "d", save_policy=pitstop.OnSteps([2, 5])) as mgr:
+        for s in range(7):
+            mgr.step(s, state(s))
+        mgr.wait()
+        assert mgr.all_steps() == [2, 5]
+    for bad in (3, [1.5], [-1], [True]):
+        with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
+            pitstop.OnSteps(bad)

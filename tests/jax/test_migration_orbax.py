@@ -99,6 +99,14 @@ def test_orbax_saves_the_first_step_of_an_empty_directory_pitstop_its_multiples(
     assert theirs["kept"] == [1, 3, 6] and ours["kept"] == [3, 6]
 
 
+def test_save_on_steps_is_on_steps(tmp_path: Path) -> None:
+    theirs, ours = side_by_side(
+        tmp_path, range(12), {"save_interval_steps": 5, "save_on_steps": {3, 7}},
+        {"save_every_steps": 5, "save_policy": pitstop.OnSteps({3, 7})})
+    assert ours == theirs
+    assert theirs["kept"] == [0, 3, 5, 7, 10]
+
+
 def test_keep_period_is_keep_every_steps(tmp_path: Path) -> None:
     theirs, ours = side_by_side(
         tmp_path, range(14), {"max_to_keep": 2, "keep_period": 4, "save_interval_steps": 2},
