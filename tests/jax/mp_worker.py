@@ -308,7 +308,7 @@ def save(ctx: Ctx) -> dict[str, Any]:
 def _retention_and_preemption(ctx: Ctx) -> dict[str, Any]:
     """``keep_last=2`` over saves of steps 0, 2 and 4 (the leader's retention deletes step 0):
     what each process's ``all_steps()`` says once ``wait()`` returned. Process 0 holds its
-    deletion back until process 1 has listed, or for 1 s: a process that lists before the
+    deletion back until process 1 has listed, or for 0.5 s: a process that lists before the
     deletion is seen doing so. Then a SIGTERM to process 1 alone: ``reached_preemption(5)``
     on both, and ``step(5)`` saving on both before they leave as the signal asks (here: a
     handler of the program's that only notes it)."""
@@ -322,7 +322,7 @@ def _retention_and_preemption(ctx: Ctx) -> dict[str, Any]:
     mgr = pitstop.CheckpointManager(directory, keep_last=2, save_every_steps=2, on_busy="wait")
 
     def hold_back(step: int) -> None:
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 0.5
         while not listed.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
 

@@ -13,7 +13,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
-from keras_helpers import weights_of
+from keras_helpers import on_backends, weights_of
 
 from pitstop.adapters.keras import BackupAndRestore, ModelCheckpoint
 
@@ -43,6 +43,7 @@ def same_weights(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@on_backends("torch", "tensorflow")
 def test_model_checkpoint_writes_keras_files_that_load_model_reads(tmp_path: Path) -> None:
     """``ModelCheckpoint(filepath, save_freq=..., save_weights_only=...)``: the same files;
     ``keras.models.load_model`` and ``load_weights`` read pitstop's as Keras's; with
@@ -100,6 +101,7 @@ def test_backup_and_restore_resumes_to_the_weights_keras_resumes_to(tmp_path: Pa
     assert same_weights(got["pitstop"], got["keras"])
 
 
+@on_backends("tensorflow")
 def test_an_old_keras_backup_folder_is_not_read(tmp_path: Path) -> None:
     """The row's warning: pitstop's ``BackupAndRestore`` does not resume from a folder
     Keras's own wrote; the fit starts again from the model's weights, as the row says."""
@@ -125,6 +127,7 @@ class LoadsTheFile(keras.callbacks.Callback):
         self.found.append(path.exists() and weights_of(keras.models.load_model(path)))
 
 
+@on_backends("torch")
 @pytest.mark.xfail(strict=True, reason="issue 26 item 10: pitstop's ModelCheckpoint writes in "
                    "the background, so a callback placed after it does not find the file")
 def test_a_callback_after_model_checkpoint_finds_the_file_keras_wrote(tmp_path: Path) -> None:
