@@ -35,6 +35,7 @@ from .core.policy import (
     KeepEverySteps,
     KeepLast,
     OnImprovement,
+    OnSteps,
 )
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "IncompatibleTargetError", "InvalidArgumentError",
     "UnsupportedFormatError", "DirectoryLockedError", "CheckpointNotFoundError",
     "StepExistsError", "CheckpointWriteError", "UnsupportedStateError", "CoordinationError",
-    "EveryNSteps", "EverySeconds", "OnImprovement", "AutoInterval", "AnyOf",
+    "EveryNSteps", "EverySeconds", "OnImprovement", "OnSteps", "AutoInterval", "AnyOf",
     "KeepLast", "KeepEverySteps", "KeepBest", "KeepAll",
     "__version__",
 ]

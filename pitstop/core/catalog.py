@@ -406,11 +406,14 @@ class Catalog:
         self.storage.write_meta(INDEX, json.dumps(doc, allow_nan=True).encode(), durable=False)
 
     # ------------------------------------------------------------------ after a commit
-    def committed(self, manifest: Manifest, name: str, stats: Any) -> None:
-        """Persist thread, after a commit: index, then retention, then ``on_save``."""
+    def committed(self, manifest: Manifest, name: str, stats: Any) -> list[int]:
+        """Persist thread, after a commit: index, then retention, then ``on_save``; the steps
+        retention deleted (the other ranks of a job forget them: see the engine)."""
         info = CheckpointInfo(step=manifest.step, metrics=manifest.metrics, ours=True,
                               all_finite=manifest.all_finite, refs=self.refs_of(manifest))
+        removed: list[int] = []
         with self.lock:
+            before = set(self.index)
             self.index[manifest.step] = info
             if not self.read_only:  # (another rank than the leader: the leader keeps it)
                 try:
@@ -425,11 +428,13 @@ class Catalog:
                                 "or applying retention failed (%s: %s); retried at the next "
                                 "commit", manifest.step, self.storage.location, INDEX,
                                 type(e).__name__, e)
+            removed = sorted(before - set(self.index))
         if self.on_save is not None:
             try:
                 self.on_save(stats)
             except Exception:  # noqa: BLE001
                 log.exception("pitstop: on_save callback failed")
+        return removed
 
     def refs_of(self, m: Manifest) -> tuple[int, ...]:
         """The steps whose data manifest ``m`` references (incremental checkpoints)."""

@@ -252,6 +252,10 @@ class PersistJob:
     #: the manifest's writer["frameworks"] (empty: not known; a recovered snapshot's are
     #: those its memory-tier description recorded)
     frameworks: dict[str, str] = field(default_factory=dict)
+    #: a multi-rank save whose leader ran ``on_commit`` (index, retention) before it told
+    #: the other ranks of the commit: their ``wait()`` then lists the directory as retention
+    #: left it, as the leader's does
+    bookkept: bool = False
 
 
 class Engine:
@@ -259,7 +263,7 @@ class Engine:
 
     def __init__(self, storage: Storage, *, hash_algorithm: str, compression: str | None,
                  writer_threads: int, pool: StagingPool, directory_id: str,
-                 on_commit: Callable[[Manifest, str, SaveStats], None],
+                 on_commit: Callable[[Manifest, str, SaveStats], list[int] | None],
                  tier: Any = None, name_of: Callable[[int], str],
                  copy_threads: int | None = None, coordinator: Coordinator | None = None,
                  encryption: Any = None, incremental: bool = False,
@@ -280,6 +284,9 @@ class Engine:
         self.pool = pool
         self.directory_id = directory_id
         self.on_commit = on_commit
+        #: another rank than the leader: drops a step the leader's retention deleted from
+        #: this rank's index (set by the manager)
+        self.forget_step: Callable[[int], None] | None = None
         self.tier = tier
         self.name_of = name_of
         #: test hooks, each called with the step on the thread doing that part:
@@ -655,14 +662,8 @@ class Engine:
                     job.lazy.retire()
                 if job.release_buffer and job.buffer is not None:
                     self.pool.release(job.buffer)
-            if manifest is not None:
-                # index and retention, only ever after the commit. Trouble there is not the
-                # save's: the checkpoint is committed (the callback warns and retries later)
-                try:
-                    self.on_commit(manifest, name, job.handle.stats)
-                except BaseException:  # noqa: BLE001
-                    log.exception("pitstop: step %d is committed, but bookkeeping after the "
-                                  "commit failed", job.step)
+            if manifest is not None and not job.bookkept:
+                self._bookkeep(job, manifest, name)
             # finish only once the buffer is free again: a caller woken by wait() must find
             # the engine idle (a periodic save right after it is never skipped as "busy")
             job.handle._finish(error)
@@ -674,6 +675,18 @@ class Engine:
                 # read-back would slow the next save's writes; close() warms the last one
                 if self._queue.empty() and gap_s > 4 * (time.perf_counter() - t_job):
                     self.warm_newest()
+
+    def _bookkeep(self, job: PersistJob, manifest: Manifest, name: str) -> list[int]:
+        """Index and retention (``on_commit``), only ever after the commit; the steps
+        retention deleted. Trouble there is not the save's: the checkpoint is committed (the
+        callback warns and retries later)."""
+        job.bookkept = True
+        try:
+            return list(self.on_commit(manifest, name, job.handle.stats) or [])
+        except BaseException:  # noqa: BLE001
+            log.exception("pitstop: step %d is committed, but bookkeeping after the "
+                          "commit failed", job.step)
+            return []
 
     def _persist(self, job: PersistJob, name: str) -> Manifest:
         buf = job.buffer
@@ -960,11 +973,19 @@ class Engine:
             except BaseException as e:  # noqa: BLE001
                 txn.abort()
                 failure = e
+        removed: list[int] = []
         if coord.leader:
             txn = None  # committed, or aborted: nothing more to undo
+            if failure is None and manifest is not None:
+                # committed: index and retention now, before the other ranks hear of it, so
+                # that every rank's wait() returns to the same directory
+                self._committed(job, self.storage.path_of(name), t0, t_hashed, t_write,
+                                t_written)
+                removed = self._bookkeep(job, manifest, name)
         # (no abort if this exchange fails: the leader may have committed, and a part of
         # an uncommitted save left behind is removed by the next writer's cleanup)
-        outcome = coord.all_gather_json({"error": None if failure is None else _why(failure)},
+        outcome = coord.all_gather_json({"error": None if failure is None else _why(failure),
+                                         "removed": removed},
                                         what=f"{where}: publishing the checkpoint",
                                         channel="persist")
         fail_if(outcome, "at the commit")  # (another rank aborts its own part there)
@@ -973,7 +994,12 @@ class Engine:
         if manifest is None:  # a follower: what its bookkeeping needs of the manifest
             manifest = self._manifest(job, job.structure, job.values)
             manifest.world = coord.world_size
-        self._committed(job, self.storage.path_of(name), t0, t_hashed, t_write, t_written)
+        if not coord.leader:
+            forget = self.forget_step
+            for s in outcome[0].get("removed") or []:
+                if forget is not None:
+                    forget(int(s))  # deleted by the leader's retention
+            self._committed(job, self.storage.path_of(name), t0, t_hashed, t_write, t_written)
         return manifest
 
     def _world_manifest(self, job: PersistJob, name: str, held: list[Any], wrote: list[Any],

@@ -380,6 +380,7 @@ class CheckpointManager:
                 lazy=snapshot == "lazy" and async_save)
             # a checkpoint leaving the directory is never referenced by the next save
             self._catalog.on_removed = self._engine.forget_previous
+            self._engine.forget_step = self._catalog.forget  # (the leader's retention)
             self.hooks = self._engine.hooks
             self._catalog.hooks = self.hooks  # one dict: the engine's and retention's hooks
             self._res.engine, self._res.pool, self._res.tier = self._engine, self.pool, tier
@@ -765,6 +766,74 @@ class CheckpointManager:
         if self._engine is not None:
             self._engine.drain(timeout)
             self._engine.raise_pending()
+
+    # ------------------------------------------------------------ the names Orbax users call
+    def wait_until_finished(self) -> None:
+        """Orbax's name for :meth:`wait`: block until every save accepted is committed."""
+        self.wait()
+
+    def should_save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Whether ``step(step, state, metrics)`` would save at this step (Orbax's
+        ``should_save``): a save policy says so, or a signal was received, and the step has
+        no checkpoint yet. It decides nothing and asks no other rank (``step()`` decides
+        with them); a manager without ``save_every_steps`` / ``save_every_seconds`` /
+        ``mtbf_seconds`` / ``keep_best`` / ``save_policy`` says False but on a signal."""
+        self._check_usable()
+        step = step_arg(step)
+        engine = self._engine
+        if engine is None or self._closed:
+            return False  # read-only (as Orbax's read_only manager) or closed
+        if step in self._catalog.index or step in engine.pending_steps():
+            return False
+        if self._signals.pending is not None:
+            return True
+        if self._policy is None:
+            return False
+        ctx = self._ctx
+        clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
+        probe = SaveContext(last_save_step=ctx.last_save_step,
+                            last_save_time=ctx.last_save_time, now=time.monotonic(),
+                            metrics=clean or None, save_cost_s=ctx.save_cost_s)
+        return bool(self._policy.should_save(step, probe))
+
+    def best_step(self) -> int | None:
+        """The checkpoint with the best ``best_metric`` (``best_mode``; the newest of equal
+        ones), as Orbax's ``best_step`` ranks by ``best_fn``: the steps retention keeps, saves
+        in flight waited for. Without ``best_metric``: :meth:`latest_step`, as Orbax without
+        ``best_fn``. None when no checkpoint has a number for the metric."""
+        self._check_usable()
+        metric = self.best_metric
+        if not metric:
+            return self.latest_step()
+        if self._engine is not None:
+            self._engine.drain()  # a save in flight counts, as in Orbax
+        index = self._catalog.index
+        scored = []
+        for s in self._committed():
+            info = index.get(s)
+            v = None if info is None else info.metrics.get(metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                scored.append(((v if self.best_mode == "min" else -v), -s, s))
+        for r in self._recovered_all:  # recovered from the memory tier, not yet on disk
+            v = r.reader.manifest.metrics.get(metric)
+            if r.step not in index and isinstance(v, (int, float)) and \
+                    not isinstance(v, bool) and math.isfinite(v):
+                scored.append(((v if self.best_mode == "min" else -v), -r.step, r.step))
+        return min(scored)[2] if scored else None
+
+    def reached_preemption(self, step: int) -> bool:
+        """True when a terminating signal (SIGTERM, SIGINT: a preemption notice) was received
+        and not yet acted on: the next ``step()`` or ``save()`` saves this step, waits for
+        its commit and exits as the signal asks (Orbax's ``reached_preemption``, tied to
+        pitstop's ``save_on_signals``). In a job of several ranks every rank must call it
+        at the same step, as Orbax's sync point: a signal any rank received is every rank's
+        answer (and every rank's save at the next step boundary)."""
+        self._check_usable()
+        step = step_arg(step)
+        if self._coord is not None and self._engine is not None and not self._closed:
+            self._agree(step, False, False, "reached_preemption")
+        pending = self._signals.pending
+        return pending is not None and signal_name(pending) not in CONTINUE_SIGNALS
 
     @property
     def closed(self) -> bool:

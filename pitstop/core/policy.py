@@ -95,6 +95,29 @@ class EverySeconds:
         return f"EverySeconds({self.seconds})"
 
 
+class OnSteps:
+    """Save at each of the given steps (Orbax's ``save_on_steps``); with
+    ``save_every_steps`` too, the manager saves when either says so."""
+
+    def __init__(self, steps: Any) -> None:
+        try:
+            chosen = frozenset(steps)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"OnSteps takes a collection of steps, got {steps!r}") from None
+        for s in chosen:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise InvalidArgumentError(
+                    f"OnSteps: every step must be an int >= 0, got {s!r}")
+        self.steps = chosen
+
+    def should_save(self, step: int, ctx: SaveContext) -> bool:
+        return step in self.steps and step != ctx.last_save_step
+
+    def __repr__(self) -> str:
+        return f"OnSteps({sorted(self.steps)})"
+
+
 class OnImprovement:
     """Save when ``metric`` improves on the best value seen so far (min or max)."""
 

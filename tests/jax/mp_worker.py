@@ -294,12 +294,57 @@ def save(ctx: Ctx) -> dict[str, Any]:
         mark("saved")
         if ctx.args.get("restore_here"):
             out["restore"] = _restore(mgr, ctx, saved_world=ctx.processes)
+    if ctx.args.get("retention"):
+        out["retention"] = _retention_and_preemption(ctx)
     if ctx.processes > 1:
         from jax._src import distributed
 
         client: Any = distributed.global_state.client
         client.wait_at_barrier("pitstop-test-closed", 60_000)
         out["keys_left"] = [k for k, _v in client.key_value_dir_get_bytes("pitstop/auto.0")]
+    return out
+
+
+def _retention_and_preemption(ctx: Ctx) -> dict[str, Any]:
+    """``keep_last=2`` over saves of steps 0, 2 and 4 (the leader's retention deletes step 0):
+    what each process's ``all_steps()`` says once ``wait()`` returned. Process 0 holds its
+    deletion back until process 1 has listed, or for 0.5 s: a process that lists before the
+    deletion is seen doing so. Then a SIGTERM to process 1 alone: ``reached_preemption(5)``
+    on both, and ``step(5)`` saving on both before they leave as the signal asks (here: a
+    handler of the program's that only notes it)."""
+    import pitstop
+
+    directory = ctx.dir.parent / f"{ctx.dir.name}-kept"
+    listed = ctx.dir.parent / f"{ctx.dir.name}-listed"
+    noted: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: noted.append(signum))
+    out: dict[str, Any] = {}
+    mgr = pitstop.CheckpointManager(directory, keep_last=2, save_every_steps=2, on_busy="wait")
+
+    def hold_back(step: int) -> None:
+        deadline = time.monotonic() + 0.5
+        while not listed.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    if ctx.process == 0:
+        mgr.hooks["before_delete"] = hold_back
+    for step in range(5):
+        state, _ = make_state(step, ctx.process)
+        mgr.step(step, state)
+    mgr.wait()
+    out["all_steps"] = mgr.all_steps()
+    if ctx.process == 1:
+        listed.touch()
+    out["before_signal"] = mgr.reached_preemption(5)
+    if ctx.process == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # noted by pitstop's handler
+    out["reached"] = mgr.reached_preemption(5)
+    state, _ = make_state(5, ctx.process)
+    mgr.step(5, state)  # saves step 5, closes, then calls the program's handler
+    out["noted"] = len(noted)
+    out["closed"] = mgr.closed
+    with pitstop.CheckpointManager(directory, read_only=True) as reader:
+        out["after"] = reader.all_steps()
     return out
 
 

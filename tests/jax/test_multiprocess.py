@@ -155,7 +155,8 @@ def run_job(scenario: str, processes: int, directory: Path,
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """A checkpoint directory written by 2 processes (2 devices each): steps 1, 2 and 4."""
     directory = tmp_path_factory.mktemp("jaxmp") / "ckpt"
-    results = run_job("save", 2, directory, {"probe": True, "restore_here": True})
+    results = run_job("save", 2, directory, {"probe": True, "restore_here": True,
+                                              "retention": True})
     return directory, results
 
 
@@ -179,6 +180,19 @@ def test_the_coordinator_exchanges_on_two_channels_and_cleans_up(saved: Any) -> 
                                                   "waited 1 s for process 1 (DEADLINE_EXCEEDED")
     assert "Restart the job" in error and "JaxCoordinator(name=...)" in error
     assert "type.googleapis.com" not in error
+
+
+def test_processes_agree_on_all_steps_after_retention_and_on_preemption(saved: Any) -> None:
+    """Retention runs on process 0; once wait() returned, every process lists what it left
+    (process 1 used to list [0, 2, 4] while process 0 said [2, 4]). A SIGTERM on process 1
+    alone is every process's reached_preemption(5), and both save step 5 before leaving."""
+    _directory, results = saved
+    for rank, r in enumerate(results):
+        got = r["retention"]
+        assert got["all_steps"] == [2, 4], rank
+        assert got["before_signal"] is False and got["reached"] is True, rank
+        assert got["noted"] == 1 and got["closed"] is True, rank
+        assert got["after"] == [4, 5], rank  # keep_last=2
 
 
 def test_two_processes_save_one_checkpoint(saved: Any) -> None:

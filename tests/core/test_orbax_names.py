@@ -1,0 +1,94 @@
+"""The names Orbax users call on a manager: ``should_save``, ``best_step``,
+``reached_preemption``, ``wait_until_finished``, the ``OnSteps`` policy (against Orbax itself, loop by loop:
+tests/jax/test_migration_orbax.py; with real processes: tests/jax/test_multiprocess.py)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from thread_ranks import ranks
+
+import pitstop
+from pitstop.core.coordination import Coordinator
+
+
+def manager(d: Path, **kw: Any) -> pitstop.CheckpointManager:
+    return pitstop.CheckpointManager(d, **{"save_on_signals": None, "memory_tier": False,
+                                           "on_busy": "wait", **kw})
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": np.full(3, step, np.float32)}
+
+
+def test_should_save_says_what_step_does(tmp_path: Path) -> None:
+    with manager(tmp_path / "a", save_every_steps=3) as mgr:
+        said, saved = [], []
+        for s in range(8):
+            said.append(mgr.should_save(s))
+            saved.append(mgr.step(s, state(s)) is not None)
+        assert said == saved == [s % 3 == 0 for s in range(8)]
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 3, 6]
+        assert not mgr.should_save(6)  # it has a checkpoint: step() would not save it again
+    with manager(tmp_path / "b", keep_last=2) as mgr:
+        assert not mgr.should_save(0)  # no save policy: step() saves only on a signal
+        mgr._signals.pending = signal.SIGUSR1  # ("checkpoint now": not a preemption)
+        assert mgr.should_save(0) and not mgr.reached_preemption(0)
+        mgr._signals.pending = None
+    with manager(tmp_path / "c", keep_best=1, best_metric="loss") as mgr:
+        assert mgr.should_save(0, {"loss": 1.0})  # saves at an improvement
+        assert not mgr.should_save(0)
+    with pitstop.CheckpointManager(tmp_path / "a", read_only=True) as mgr:
+        assert not mgr.should_save(9)
+
+
+@pytest.mark.parametrize("mode, best", [("min", 3), ("max", 4)])
+def test_best_step_ranks_by_best_metric_newest_of_equals(tmp_path: Path, mode: str,
+                                                         best: int) -> None:
+    losses = {0: 5.0, 1: 2.0, 2: 9.0, 3: 2.0, 4: 9.0}
+    with manager(tmp_path / mode, best_metric="loss", best_mode=mode) as mgr:
+        assert mgr.best_step() is None
+        mgr.save(9, state(9))  # no metric: never the best
+        assert mgr.best_step() is None
+        for s, v in losses.items():
+            mgr.save(s, state(s), {"loss": v})
+        assert mgr.best_step() == best  # the save in flight counts
+    with manager(tmp_path / "plain") as mgr:
+        mgr.save(2, state(2))
+        mgr.save(1, state(1))
+        assert mgr.best_step() == mgr.latest_step() == 2
+
+
+def test_reached_preemption_is_agreed_by_every_rank(tmp_path: Path) -> None:
+    """A terminating signal one rank received is every rank's answer at that step."""
+    def job(rank: int, coord: Coordinator) -> Any:
+        mgr = pitstop.CheckpointManager(tmp_path / "ck", distributed=coord,
+                                        save_on_signals=None, memory_tier=False)
+        try:
+            before = mgr.reached_preemption(1)
+            if rank == 1:
+                mgr._signals.pending = signal.SIGTERM
+            after = mgr.reached_preemption(2)
+            return before, after, mgr._signals.pending
+        finally:
+            mgr._signals.pending = None  # (acting on it would end this test process)
+            mgr.close()
+
+    assert ranks(2, job) == [(False, True, signal.SIGTERM)] * 2
+
+
+def test_on_steps_saves_the_steps_it_names_and_refuses_what_is_not_a_step(tmp_path: Path
+                                                                        ) -> None:
+    with manager(tmp_path / "d", save_policy=pitstop.OnSteps([2, 5])) as mgr:
+        for s in range(7):
+            mgr.step(s, state(s))
+        mgr.wait()
+        assert mgr.all_steps() == [2, 5]
+    for bad in (3, [1.5], [-1], [True]):
+        with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
+            pitstop.OnSteps(bad)
