@@ -1,8 +1,8 @@
 """docs/migration.md, "From tf.train": every row, the same loop through tf.train and through
 pitstop's ``Checkpoint`` / ``CheckpointManager`` side by side in this process: the same
 checkpoints kept (paths relative to the directory), the same training after a restore.
-Rows that issue 26 found wrong today are strict xfails naming their item, so they turn into
-passes, loudly, when the fix lands."""
+Where tf.train itself loses state (a Keras 3 Dropout's seed), pitstop's resume is held to
+the uninterrupted run instead."""
 
 from __future__ import annotations
 
@@ -58,12 +58,7 @@ def loop(kind: str, directory: Path, dropout: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("dropout", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=True, reason="issue 26 item 1: a Dropout layer's seed state is restored as "
-        "[s, 0] by the wrapper's restore pass, so training after the resume differs")),
-])
+@pytest.mark.parametrize("dropout", [False, True])
 def test_checkpoint_and_manager_keep_restore_and_resume_as_tf_train(tmp_path: Path,
                                                                     dropout: bool) -> None:
     """``Checkpoint(model=..., optimizer=...)``, ``CheckpointManager(ckpt, dir,
@@ -73,11 +68,16 @@ def test_checkpoint_and_manager_keep_restore_and_resume_as_tf_train(tmp_path: Pa
     theirs = loop("tf", tmp_path / "tf", dropout)
     ours = loop("pitstop", tmp_path / "pitstop", dropout)
     assert theirs["kept"] == ["ckpt-3", "ckpt-4", "ckpt-5"]
+    if dropout:
+        # tf.train does not save a Keras 3 Dropout's SeedGenerator (it is no Trackable), so
+        # its resumed losses differ from the uninterrupted ones; pitstop's are those (item 1)
+        assert theirs["after"] != theirs["next"]
+        assert ours["after"] == ours["next"]
+        for k in ("after", "older"):
+            theirs.pop(k), ours.pop(k)
     assert ours == theirs
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 4: read() of what write() wrote fails "
-                   "assert_consumed() on save_counter")
 def test_write_then_read_asserts_consumed_as_tf_train(tmp_path: Path) -> None:
     for kind in PEERS:
         v = tf.Variable([1.0, 2.0])
@@ -124,9 +124,6 @@ def test_a_native_checkpoint_is_restored_by_path_and_the_next_save_is_pitstops(
     assert float(w.numpy()) == 5.0 and latest_checkpoint(tmp_path / "pitstop") == saved
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26 item 2: on a directory of tf.train's own "
-                   "checkpoints, restore_or_initialize() returns None and training starts "
-                   "from scratch")
 def test_changing_only_the_import_resumes_a_native_directory(tmp_path: Path) -> None:
     """The user who switches changes one import on the directory they have: the manager's
     ``restore_or_initialize()`` resumes from the newest native checkpoint, as tf.train's."""
