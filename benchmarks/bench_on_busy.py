@@ -85,8 +85,8 @@ def run(mode: str | None, args: argparse.Namespace, state: dict, a: np.ndarray, 
         out["skipped"] = mgr.skipped_saves
         mgr.close()
         pts = [(-1, t0)] + sorted(commits)
-        out["max_gap_steps"] = max(b[0] - a_[0] for a_, b in zip(pts, pts[1:]))
-        out["max_gap_s"] = max(b[1] - a_[1] for a_, b in zip(pts, pts[1:]))
+        out["max_gap_steps"] = max(b[0] - a_[0] for a_, b in zip(pts, pts[1:], strict=False))
+        out["max_gap_s"] = max(b[1] - a_[1] for a_, b in zip(pts, pts[1:], strict=False))
         out["persist_s"] = statistics.median(
             s.persist_s for s in mgr.stats if s.persist_s) if mgr.stats else 0.0
     shutil.rmtree(directory, ignore_errors=True)
