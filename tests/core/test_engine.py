@@ -770,3 +770,29 @@ def test_on_busy_wait_saves_every_step_of_the_same_loop(managers):
     mgr.wait()
     assert mgr.all_steps() == [15, 20]
     assert mgr.skipped_saves == 0 and [s.step for s in mgr.stats] == [0, 5, 10, 15, 20]
+
+
+def test_later_skips_are_summed_up_and_a_failed_record_never_fails_the_writer(
+        managers, caplog, monkeypatch):
+    """Once the rate limit's interval passed (0 here), the next skip says how many came since
+    the last warning; directory.json that cannot be written costs a warning, never a save."""
+    from pitstop.core import skips
+
+    monkeypatch.setattr(skips, "WARN_EVERY_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    mgr = managers(save_every_steps=5)
+    write_meta = mgr.storage.write_meta
+
+    def refuse(name, data, **kw):
+        if name == "directory.json":
+            raise OSError(28, "No space left on device")
+        return write_meta(name, data, **kw)
+
+    monkeypatch.setattr(mgr.storage, "write_meta", refuse)
+    assert loop_with_slow_persists(mgr) == [0, 10, 20]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("1 more periodic save skipped" in m and "2 in all: steps 15" in m for m in said)
+    assert any("could not record the skipped saves" in m and "No space left" in m
+               for m in said), said
+    assert mgr.all_steps() == [0, 10, 20] and mgr.skipped_saves == 2
+    mgr.close()  # no error
