@@ -686,6 +686,16 @@ def _retention(storage: Storage) -> _Retention:
     return _Retention(policies, custom, f"retention: {summary}")
 
 
+def _skipped_line(storage: Storage) -> str | None:
+    """The periodic saves the writer skipped as busy (``directory.json``, "skipped")."""
+    from ..core.skips import ls_line
+    try:
+        raw = storage.read_meta("directory.json")
+        return ls_line(json.loads(raw)) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
 def _retention_status(ret: _Retention, infos: dict[int, Any], aside_refs: dict[str, Any],
                       naming: Naming) -> dict[int, str]:
     """For each committed step, whether the next retention pass keeps it and why. That pass
@@ -891,6 +901,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print("(* newest)", file=out)
     for kind in dict.fromkeys(r[8] for r in rows if r[8]):
         print(_LS_NOTES[kind].format(loc=loc), file=out)
+    skipped = _skipped_line(storage) if listing.has_meta and only is None else None
+    if skipped is not None:
+        print(skipped, file=out)
     #: incremental checkpoints: holder step -> the steps that reference its data
     users: dict[int, list[int]] = {}
     for s, info in sorted(infos.items()):

@@ -317,6 +317,9 @@ class Catalog:
         self.aside_seen = False
         #: an abandoned checkpoint's name -> the checkpoints its manifest references
         self._aside_refs: dict[str, tuple[str, ...]] = {}
+        #: the writer's skipped periodic saves (pitstop.core.skips.SkippedSaves), recorded in
+        #: directory.json after each commit that follows new ones
+        self.skips: Any = None
 
     # ------------------------------------------------------------------ listing
     def committed_steps(self) -> list[int]:
@@ -429,6 +432,8 @@ class Catalog:
                                 "commit", manifest.step, self.storage.location, INDEX,
                                 type(e).__name__, e)
             removed = sorted(before - set(self.index))
+            if self.skips is not None and not self.read_only:
+                self.skips.record(self.storage)  # (never raises)
         if self.on_save is not None:
             try:
                 self.on_save(stats)

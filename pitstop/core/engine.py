@@ -158,6 +158,9 @@ class SaveStats:
     fence_wait_s: float = 0.0
     committed: bool = False
     skipped: str | None = None
+    #: periodic saves this manager skipped since its previous snapshot because that one was
+    #: still persisting (``on_busy="skip"``): the steps this save is the first after
+    skipped_before: int = 0
     path: str | None = None
 
     @property

@@ -99,6 +99,7 @@ from .signals import (
     child_signals_held,
     signal_name,
 )
+from .skips import SkippedSaves
 from .snapshot import StagingPool
 from .storage import Storage
 from .storage.staged import StagedStorage
@@ -204,6 +205,8 @@ class CheckpointManager:
         self.best_metric, self.best_mode = best_metric, best_mode
         self.on_save = on_save
         self.stats: list[SaveStats] = []
+        #: periodic saves skipped because the previous one was still persisting
+        self._skips = SkippedSaves()
         self._resolve = _resolver()
         #: a run continued from this older step: the newer checkpoints of the abandoned run
         #: are moved aside at its first save
@@ -478,14 +481,17 @@ class CheckpointManager:
             want = self._policy.should_save(step, ctx)
         exists = step in self._catalog.index or step in engine.pending_steps()
         busy = want and self.on_busy != "wait" and not self.pool.can_acquire()
-        want, problem, signal = self._agree(step, want, exists or busy, "step")
+        # (bit 1: the step exists on a rank; bit 2: a rank's buffers are all persisting)
+        want, problem, signal = self._agree(step, want, int(exists) | 2 * int(busy), "step")
         if signal:  # (one that arrives after the exchange is acted on at the next step)
             return self._handle_signal(step, state, metrics)
         if not want:
             return None
-        if problem:
-            log.info("pitstop: step %d not saved: it exists already, or a rank's previous "
-                     "save is still persisting (on_busy='skip')", step)
+        if problem & 1:
+            log.info("pitstop: step %d not saved: it exists already on a rank", step)
+            return None
+        if problem:  # every rank skips it together, and says so
+            self._skipped(step, world=True)
             return None
         with self._api_lock:
             return self._save(step, state, metrics, block=True, periodic=True)
@@ -853,6 +859,12 @@ class CheckpointManager:
             self._closed = True
         fence_all()
         self._flatten_cache.clear()  # (it references the last save's arrays)
+        if self._skips.count:
+            if self._engine is not None:
+                self._engine.drain()
+            self._skips.closing(self.directory)
+            if self._coord is None or self._coord.leader:
+                self._skips.record(self.storage)
         self._finalizer.detach()
         error = self._res.release(False)
         if self._coord is not None and not isinstance(self._distributed, Coordinator):
@@ -952,9 +964,10 @@ class CheckpointManager:
             raise
         if buf is None:
             stats.skipped = "previous save still persisting (on_busy='skip')"
-            log.debug("pitstop: step %d: %s", step, stats.skipped)
+            self._skipped(step)
             handle._finish()
             return None if periodic else handle
+        stats.skipped_before = self._skips.saved()
         stats.stall_s = time.perf_counter() - t0
         stats.bytes = buf.layout.total
         stats.arrays = len(flat.arrays)
@@ -990,6 +1003,24 @@ class CheckpointManager:
         if not self.async_save:
             handle.wait()  # raises the failure right here (and only here)
         return handle
+
+    def _skipped(self, step: int, *, world: bool = False) -> None:
+        """A periodic save of ``step`` dropped as busy: counted, warned (rate-limited) and
+        recorded by the leader in directory.json after the next commit."""
+        self._skips.note(step, self.directory, world=world)
+        if self._coord is None or self._coord.leader:
+            self._catalog.skips = self._skips
+
+    @property
+    def skipped_saves(self) -> int:
+        """Periodic saves this manager skipped because the previous one was still
+        persisting (``on_busy="skip"``); each one was warned about (rate-limited)."""
+        return self._skips.count
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The steps of those skipped saves, oldest first (the newest 1000)."""
+        return list(self._skips.steps)
 
     def _frameworks_of(self, flat: FlatState) -> dict[str, str]:
         """The frameworks that captured ``flat`` (the manifest's writer["frameworks"]),
@@ -1405,16 +1436,17 @@ class CheckpointManager:
         if bad:
             raise CoordinationError("; ".join(f"rank {r}: {p}" for r, p in bad))
 
-    def _agree(self, step: int, want: bool, exists: bool, call: str
-               ) -> tuple[bool, bool, int]:
-        """Every rank's view of this step boundary: whether any wants to save, whether the
-        step exists anywhere, and the signal to act on now (0: none): one any rank had
+    def _agree(self, step: int, want: bool, problem: int, call: str
+               ) -> tuple[bool, int, int]:
+        """Every rank's view of this step boundary: whether any wants to save, the problems
+        of any rank (bits OR-ed: 1 the step exists, 2 its buffers are busy; 0: none), and
+        the signal to act on now (0: none): one any rank had
         received when it called, which becomes every rank's, so all of them save at this
         step and then act on it."""
         coord = self._coord
         assert coord is not None
         signal = self._signals.pending or 0
-        said = coord.all_gather_ints([step, int(want), signal, int(exists)],
+        said = coord.all_gather_ints([step, int(want), signal, int(problem)],
                                      what=f"{call}({step}) in {self.directory}")
         steps = [a[0] for a in said]
         if len(set(steps)) > 1:
@@ -1426,7 +1458,10 @@ class CheckpointManager:
         signal = max(a[2] for a in said)
         if signal and self._signals.pending is None:
             self._signals.pending = signal  # received by another rank: acted on here too
-        return any(a[1] for a in said), any(a[3] for a in said), signal
+        problems = 0
+        for a in said:
+            problems |= a[3]
+        return any(a[1] for a in said), problems, signal
 
     # ================================================================== helpers
     def _use_rank(self, reader: CheckpointReader) -> None:

@@ -669,3 +669,130 @@ def test_a_file_system_that_refuses_o_direct_after_creating_the_file_still_saves
     with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False) as mgr:
         got = mgr.load(1)
     np.testing.assert_array_equal(got["model"]["w"], state["model"]["w"])
+
+
+class Held:
+    """A before_write hook holding each save's persist until :meth:`release` of its step
+    (``None``: every one, from now on)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.released: set[int] = set()
+        self.all = False
+
+    def wait(self, step: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.all or step in self.released, 60), step
+
+    def release(self, step: int | None) -> None:
+        with self.cond:
+            if step is None:
+                self.all = True
+            else:
+                self.released.add(step)
+            self.cond.notify_all()
+
+
+def loop_with_slow_persists(mgr, steps: int = 25, every: int = 5) -> list[int]:
+    """The issue's loop: ``save_every_steps=5`` over 25 steps, each persist slower than one
+    save interval and faster than two, deterministically: the persist of a save is held at
+    the gate until the loop has made its step() call of the next save step, then the loop
+    waits for it. Returns the steps step() saved."""
+    held = Held()
+    mgr.hooks["before_write"] = held.wait
+    state = make_state()
+    saved, last = [], None
+    for s in range(steps):
+        h = mgr.step(s, state)
+        if s % every == 0 and last is not None:
+            held.release(last.step)  # the next one came due
+            if h is None:
+                last.wait()  # done within two intervals
+        if h is not None:
+            saved.append(s)
+            last = h
+    held.release(None)
+    mgr.wait()
+    return saved
+
+
+def test_a_skipped_periodic_save_warns_is_counted_and_listed(managers, tmp_path, caplog,
+                                                            capsys):
+    """Default on_busy: the saves of steps 5 and 15 came due while the previous persisted.
+    They are skipped, but never in silence: one warning at once (the second is summed up at
+    close), counted on the manager and in the next save's stats, listed by `pitstop ls`."""
+    from pitstop.cli import main
+
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    mgr = managers(save_every_steps=5, keep_last=2)
+    assert loop_with_slow_persists(mgr) == [0, 10, 20]
+    assert mgr.all_steps() == [10, 20]
+    assert (mgr.skipped_saves, mgr.skipped_steps) == (2, [5, 15])
+    assert [(s.step, s.skipped_before) for s in mgr.stats] == [(0, 0), (10, 1), (20, 1)]
+    said = [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()
+            or "skipped" in r.getMessage()]
+    assert len(said) == 1, said  # rate-limited: the first at once
+    assert "step 5 not saved" in said[0] and "on_busy='wait'" in said[0]
+    mgr.close()
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert "1 more periodic save skipped" in said[-1] and "2 in all: steps 15" in said[-1]
+    doc = json.loads((tmp_path / "ckpt" / ".pitstop" / "directory.json").read_text())
+    assert doc["skipped"]["count"] == 2 and doc["skipped"]["steps"] == [5, 15]
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "ckpt")]) == 0
+    assert "2 periodic saves skipped (previous save still persisting): steps 5, 15" in \
+        capsys.readouterr().out
+    # the next writer of the directory adds its own to the record
+    again = managers(save_every_steps=5)
+    gate = Gate({25})
+    again.hooks["before_write"] = gate
+    again.step(25, make_state())
+    assert gate.entered.wait(30)
+    assert again.step(30, make_state()) is None
+    gate.release.set()
+    again.close()
+    doc = json.loads((tmp_path / "ckpt" / ".pitstop" / "directory.json").read_text())
+    assert doc["skipped"]["count"] == 3 and doc["skipped"]["steps"] == [5, 15, 30]
+
+
+def test_on_busy_wait_saves_every_step_of_the_same_loop(managers):
+    """The same loop with on_busy="wait" (what Orbax, Keras and tf.train do): every save
+    step is saved, nothing skipped."""
+    mgr = managers(save_every_steps=5, keep_last=2, on_busy="wait")
+    held = Held()
+    mgr.hooks["before_write"] = held.wait
+    state = make_state()
+    for s in range(25):
+        if s % 5 == 0 and s:
+            held.release(s - 5)  # entering the next save step (which waits for it)
+        mgr.step(s, state)
+    held.release(None)
+    mgr.wait()
+    assert mgr.all_steps() == [15, 20]
+    assert mgr.skipped_saves == 0 and [s.step for s in mgr.stats] == [0, 5, 10, 15, 20]
+
+
+def test_later_skips_are_summed_up_and_a_failed_record_never_fails_the_writer(
+        managers, caplog, monkeypatch):
+    """Once the rate limit's interval passed (0 here), the next skip says how many came since
+    the last warning; directory.json that cannot be written costs a warning, never a save."""
+    from pitstop.core import skips
+
+    monkeypatch.setattr(skips, "WARN_EVERY_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    mgr = managers(save_every_steps=5)
+    write_meta = mgr.storage.write_meta
+
+    def refuse(name, data, **kw):
+        if name == "directory.json":
+            raise OSError(28, "No space left on device")
+        return write_meta(name, data, **kw)
+
+    monkeypatch.setattr(mgr.storage, "write_meta", refuse)
+    assert loop_with_slow_persists(mgr) == [0, 10, 20]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("1 more periodic save skipped" in m and "2 in all: steps 15" in m for m in said)
+    assert any("could not record the skipped saves" in m and "No space left" in m
+               for m in said), said
+    assert mgr.all_steps() == [0, 10, 20] and mgr.skipped_saves == 2
+    mgr.close()  # no error

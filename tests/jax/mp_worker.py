@@ -294,6 +294,8 @@ def save(ctx: Ctx) -> dict[str, Any]:
         mark("saved")
         if ctx.args.get("restore_here"):
             out["restore"] = _restore(mgr, ctx, saved_world=ctx.processes)
+    if ctx.args.get("skip"):
+        out["skip"] = _skip_together(ctx)
     if ctx.args.get("retention"):
         out["retention"] = _retention_and_preemption(ctx)
     if ctx.processes > 1:
@@ -346,6 +348,36 @@ def _retention_and_preemption(ctx: Ctx) -> dict[str, Any]:
     with pitstop.CheckpointManager(directory, read_only=True) as reader:
         out["after"] = reader.all_steps()
     return out
+
+
+def _skip_together(ctx: Ctx) -> dict[str, Any]:
+    """The default on_busy="skip" with process 0 free and process 1 busy: process 0 has two
+    staging buffers, process 1 one, whose persist of step 2 is held until step 4's step()
+    returned. Every process must skip step 4 (none may save it alone), and count it."""
+    import pitstop
+
+    release = threading.Event()
+
+    def hold(step: int) -> None:
+        if step == 2 and ctx.process == 1:
+            assert release.wait(60)
+
+    with pitstop.CheckpointManager(ctx.dir.parent / "skip", save_every_steps=2,
+                                   max_in_flight=2 if ctx.process == 0 else 1) as mgr:
+        mgr.hooks["before_write"] = hold
+        saved = []
+        for step in range(2, 7):
+            state, _ = make_state(step, ctx.process)
+            if mgr.step(step, state) is not None:
+                saved.append(step)
+            if step == 4:
+                free = mgr.pool.can_acquire()
+                release.set()
+                mgr.wait()
+        mgr.wait()
+        return {"saved": saved, "steps": mgr.all_steps(), "free_at_4": free,
+                "skipped": [mgr.skipped_saves, mgr.skipped_steps],
+                "before": [[s.step, s.skipped_before] for s in mgr.stats]}
 
 
 def _restore(mgr: Any, ctx: Ctx, saved_world: int) -> dict[str, Any]:

@@ -156,7 +156,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
     """A checkpoint directory written by 2 processes (2 devices each): steps 1, 2 and 4."""
     directory = tmp_path_factory.mktemp("jaxmp") / "ckpt"
     results = run_job("save", 2, directory, {"probe": True, "restore_here": True,
-                                              "retention": True})
+                                              "retention": True,
+                                              "skip": True})
     return directory, results
 
 
@@ -232,6 +233,18 @@ def test_two_processes_save_one_checkpoint(saved: Any) -> None:
     assert len({(p.file, p.offset) for _k, p in stored}) == len(stored)
     assert sum(p.length for _k, p in stored) == 1408 + 160 + 2 * 24
     assert any(f.startswith("data-r00001") for f in m.files)  # process 1 wrote its part
+
+
+def test_a_busy_process_makes_every_process_skip_and_count_it(saved: Any) -> None:
+    """Process 0 had a free buffer at step 4, process 1 none: both skipped step 4 (neither
+    saved it alone), both counted it, and the next save says it follows one skip."""
+    _directory, results = saved
+    assert [r["skip"]["free_at_4"] for r in results] == [True, False]
+    for r in results:
+        assert r["skip"]["saved"] == [2, 6]
+        assert r["skip"]["steps"] == [2, 6]
+        assert r["skip"]["skipped"] == [1, [4]]
+        assert r["skip"]["before"] == [[2, 0], [6, 1]]
 
 
 def test_restore_on_the_same_two_processes_into_another_sharding(saved: Any) -> None:

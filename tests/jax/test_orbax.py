@@ -511,3 +511,70 @@ def test_export_refusals_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(pitstop.CheckpointNotFoundError, match="no checkpoint"):
         export_orbax(tmp_path / "none", None, tmp_path / "ox")
     assert json.loads((Path(path).parent / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+
+
+# ------------------------------------------------------ a save while the previous persists
+class _Held:
+    """Holds each persist (Orbax's finalize, pitstop's write) until the loop has entered its
+    next save step; ``None`` releases all from then on."""
+
+    def __init__(self) -> None:
+        import threading
+        self.cond = threading.Condition()
+        self.released: set[int] = set()
+        self.all = False
+
+    def wait(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.all or n in self.released, 60), n
+
+    def release(self, n: int | None) -> None:
+        with self.cond:
+            if n is None:
+                self.all = True
+            else:
+                self.released.add(n)
+            self.cond.notify_all()
+
+
+def test_a_save_due_while_the_previous_persists_keeps_orbax_steps(tmp_path: Path) -> None:
+    """The issue's loop: 25 steps, a save every 5, max_to_keep=2, every persist slower than
+    a save interval (held until the loop enters the next save step). Orbax's save() waits
+    for the one in flight and keeps [15, 20]; pitstop with on_busy="wait" (the migration
+    guide's row) keeps the same, with nothing skipped."""
+    tree = lambda s: {"w": np.full(4, s, np.float32)}  # noqa: E731
+    held_o = _Held()
+    finalized: list[int] = []
+
+    def finalize() -> None:  # Orbax's background thread, before the step is committed
+        n = len(finalized)
+        finalized.append(n)
+        held_o.wait(n)
+
+    with ocp.CheckpointManager(tmp_path / "ox", options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, save_interval_steps=5, async_options=ocp.AsyncOptions(
+                post_finalization_callback=finalize))) as omgr:
+        for s in range(25):
+            if s % 5 == 0 and s:
+                held_o.release(s // 5 - 1)  # entering the next save: the previous may end
+            omgr.save(s, args=ocp.args.StandardSave(tree(s)))
+        held_o.release(None)
+        omgr.wait_until_finished()
+        orbax_kept = omgr.all_steps()
+
+    held_p = _Held()
+    with pitstop.CheckpointManager(tmp_path / "ps", keep_last=2, save_every_steps=5,
+                                   on_busy="wait", save_on_signals=None,
+                                   memory_tier=False) as mgr:
+        mgr.hooks["before_write"] = lambda step: held_p.wait(step)
+        for s in range(25):
+            if s % 5 == 0 and s:
+                held_p.release(s - 5)
+            mgr.step(s, tree(s))
+        held_p.release(None)
+        mgr.wait()
+        pitstop_kept = mgr.all_steps()
+        assert mgr.skipped_saves == 0
+    assert finalized == [0, 1, 2, 3, 4]  # each of Orbax's five saves was held
+    assert list(orbax_kept) == [15, 20]
+    assert pitstop_kept == list(orbax_kept)

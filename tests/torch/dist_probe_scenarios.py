@@ -268,6 +268,9 @@ def p_fail(ctx: Ctx) -> dict[str, Any]:
     h7 = mgr.step(7, small_state(ctx.rank, 7))
     mgr.wait()
     out["saved7"] = h7 is not None and h7.committed
+    # the skip of step 6 is counted on every rank, and h7 is the first save after it
+    out["skipped"] = [mgr.skipped_saves, mgr.skipped_steps,
+                      None if h7 is None else h7.stats.skipped_before]
     out["steps"] = mgr.all_steps()
     out["listing"] = sorted(os.listdir(d))
     dist.barrier()

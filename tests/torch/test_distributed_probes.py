@@ -220,6 +220,7 @@ def test_failures_on_one_rank_fail_the_save_everywhere(probe: dict[str, Any]) ->
         # a slow disk on rank 1 with on_busy="skip": step 6 skipped on every rank
         assert r["busy"] == [True, False]
         assert r["saved7"]
+        assert r["skipped"] == [1, [6], 1]  # counted alike on both ranks
         assert r["steps"] == [1, 3, 5, 7]
         assert r["listing"] == [".pitstop"] + [f"step_000000000{s}" for s in (1, 3, 5, 7)]
         # rank 1's file corrupted: every rank falls back to step 5 together
