@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError, InvalidArgumentError
-from .manifest import Manifest, peek_header
+from .manifest import Manifest, load_json, peek_header
 from .names import DEFAULT, Naming
 from .policy import (
     CheckpointInfo,
@@ -68,7 +68,7 @@ def read_identity(storage: Storage, *, required: bool) -> Identity | None:
     if raw is None:
         return None
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw)
         ident = doc["directory_id"]
         if not isinstance(ident, str) or not _ID.fullmatch(ident):
             # the id names memory-tier files: nothing but letters, digits, - and _
@@ -147,7 +147,7 @@ def record_retention(storage: Storage, policies: list[RetentionPolicy]) -> None:
     if raw is None:
         return
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return  # (read_identity refused it already, or reads without it)
     record = retention_record(policies)
@@ -159,26 +159,91 @@ def record_retention(storage: Storage, policies: list[RetentionPolicy]) -> None:
 
 def identity_of_checkpoints(storage: Storage, naming: Naming) -> Identity | None:
     """For a directory without an identity file (its ``.pitstop/`` was not copied along, or
-    was lost): whether its committed checkpoints are encrypted, and with which key id, as the
-    newest readable manifest says (None: no checkpoints). Only used to refuse a writer that
-    would mix plaintext and encrypted checkpoints, and to find the key for a reader; it
-    proves nothing, so it trusts nothing."""
+    was lost): whether its committed checkpoints are encrypted, with which key id, and of
+    which directory id (None: no checkpoints). Encrypted when any of them is (a planted
+    plaintext newest one does not make the directory plaintext); its id is the one every
+    encrypted checkpoint names, and when they name several (a checkpoint of another run
+    copied in), no id can be trusted: raises. It proves nothing, so it trusts nothing: it
+    refuses writers that would mix kinds, finds the key for a reader and binds the reads
+    to the id (``CheckpointReader`` then checks each manifest's seal)."""
     from .storage.local import MANIFEST
     names = sorted((s, n) for n in storage.list_checkpoints()
                    if (s := naming.parse(n)) is not None)
     if not names:
         return None
+    found: dict[str, Any] | None = None
+    ids: dict[str, str] = {}
     for _, name in reversed(names):
         try:
-            doc = json.loads(storage.read_bytes(name, MANIFEST))
+            doc = load_json(storage.read_bytes(name, MANIFEST))
         except (OSError, ValueError, UnicodeDecodeError, RecursionError):
             continue
         enc = doc.get("encryption") if isinstance(doc, dict) else None
         if isinstance(enc, dict) and isinstance(enc.get("key_id"), str):
-            return Identity("", naming, {"algorithm": str(enc.get("algorithm")),
-                                         "key_id": enc["key_id"]})
-        break
-    return Identity("", naming, None)
+            found = found or {"algorithm": str(enc.get("algorithm")), "key_id": enc["key_id"]}
+            if isinstance(doc.get("directory_id"), str):
+                ids.setdefault(doc["directory_id"], name)
+    if len(ids) > 1:
+        shown = ", ".join(f"{n} names {i}" for i, n in sorted(ids.items(), key=lambda x: x[1]))
+        raise CheckpointError(
+            f"{storage.location} has no .pitstop/{IDENTITY}, and its encrypted checkpoints "
+            f"name {len(ids)} directory ids ({shown}): some were copied in from another run, "
+            "and pitstop cannot tell which are this directory's. Put back the directory's "
+            f".pitstop/{IDENTITY}, or move the checkpoints of the other run out")
+    return Identity(next(iter(ids), ""), naming, found)
+
+
+#: where an encrypted manifest's key id is, in its last bytes: its encryption section and
+#: MAC are the last fields pitstop writes
+_TAIL = 4096
+_SEALED_TAIL = re.compile(rb'"encryption":\{[^{}]*"key_id":"([0-9a-f]{1,64})"[^{}]*\},'
+                          rb'"manifest_mac":"[0-9a-f]{1,128}"\}\s*$')
+
+
+def encrypted_evidence(storage: Storage, naming: Naming) -> dict[str, Any] | None:
+    """``{"algorithm", "key_id"}`` when any checkpoint in the directory (committed, or moved
+    aside as corrupt or abandoned) has an encrypted manifest; None when none has.
+
+    Whether a directory is encrypted must not rest on ``.pitstop/directory.json`` alone,
+    which whoever can write the directory can edit or remove: with a key at hand, a reader
+    asks this when the identity records no encryption. An encrypted checkpoint cannot be
+    made without the key, and pitstop never mixes kinds in a directory, so one is proof
+    enough that a plaintext one beside it was planted. Reads the last few KiB of each
+    manifest (its encryption section), never a whole one."""
+    for name in storage.list_checkpoints():
+        base = name.split(".", 1)[0]
+        if naming.parse(name) is None and naming.parse(base) is None:
+            continue
+        try:
+            from .storage.local import MANIFEST
+            n = storage.size(name, MANIFEST)
+            tail = bytearray(min(n, _TAIL))
+            got = storage.read_into(name, MANIFEST, n - len(tail), tail)
+        except (OSError, ValueError):
+            continue
+        m = _SEALED_TAIL.search(bytes(tail[:got]))
+        if m is not None:
+            return {"algorithm": "aes-256-gcm", "key_id": m.group(1).decode()}
+    return None
+
+
+def directory_kind(storage: Storage, naming: Naming, identity: Identity | None,
+                   keyed: bool) -> Identity | None:
+    """What a manager takes the directory to be: its identity, or (without one) what its
+    checkpoints say; with a key at hand (``keyed``), a directory that looks plaintext but
+    holds an encrypted checkpoint is encrypted (:func:`encrypted_evidence`): its identity
+    was edited, or a plaintext checkpoint planted as the newest one."""
+    kind = identity or identity_of_checkpoints(storage, naming)
+    if keyed and kind is not None and kind.encryption is None:
+        found = encrypted_evidence(storage, naming)
+        if found is not None:
+            log.warning("pitstop: %s holds encrypted checkpoints (key id %s), but %s: it is "
+                        "read as an encrypted directory, and a plaintext checkpoint in it is "
+                        "not trusted", storage.location, found["key_id"],
+                        "its identity records no encryption" if identity is not None else
+                        "its newest checkpoint is plaintext")
+            kind = dataclasses.replace(kind, encryption=found)
+    return kind
 
 
 def check_encryption(location: str, identity: Identity | None, encryption: Any,
@@ -346,7 +411,7 @@ class Catalog:
             refs = self._aside_refs.get(entry)
             if refs is None:
                 try:
-                    doc = json.loads(self.storage.read_bytes(entry, MANIFEST))
+                    doc = load_json(self.storage.read_bytes(entry, MANIFEST))
                     refs = tuple(str(r) for r in doc.get("refs") or ())
                 except (OSError, ValueError, TypeError, AttributeError):
                     refs = ()  # (encrypted, unreadable: references nothing we can tell)
@@ -381,7 +446,8 @@ class Catalog:
                 continue
             try:
                 m = CheckpointReader(self.storage, self.naming.name(s), naming=self.naming,
-                                     encryption=self.encryption).manifest
+                                     encryption=self.encryption,
+                                     directory_id=self.directory_id).manifest
             except CheckpointError as e:
                 log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
                 # (an entry of an index from before references: kept as it was, with none)
@@ -622,4 +688,5 @@ class Catalog:
 
 
 __all__ = ["Catalog", "Identity", "read_identity", "create_identity", "resolve_naming",
+           "directory_kind", "encrypted_evidence",
            "record_retention", "retention_record"]
