@@ -18,7 +18,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,11 +193,33 @@ def identity_of_checkpoints(storage: Storage, naming: Naming) -> Identity | None
     return Identity(next(iter(ids), ""), naming, found)
 
 
-#: where an encrypted manifest's key id is, in its last bytes: its encryption section and
-#: MAC are the last fields pitstop writes
+#: an encrypted manifest's last bytes: its encryption section (no nested object) and MAC
+#: are the last fields pitstop writes
 _TAIL = 4096
-_SEALED_TAIL = re.compile(rb'"encryption":\{[^{}]*"key_id":"([0-9a-f]{1,64})"[^{}]*\},'
-                          rb'"manifest_mac":"[0-9a-f]{1,128}"\}\s*$')
+_SEALED_TAIL = re.compile(rb'"encryption":(\{[^{}]*\}),"manifest_mac":"[0-9a-f]{1,128}"\}\s*$')
+
+
+def sealed_sections(storage: Storage, naming: Naming, aside: bool = True
+                    ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(name, encryption section)`` of each checkpoint in the directory whose manifest is
+    encrypted (``aside``: also those moved aside as corrupt or abandoned), read from the
+    last few KiB of each manifest, never a whole one. Not authenticated: what it says is
+    used only to refuse (a plaintext checkpoint beside it, a replayed one), never to trust."""
+    from .storage.local import MANIFEST
+    for name in storage.list_checkpoints():
+        if naming.parse(name) is None and not (aside and ".abandoned-" in name or
+                                               aside and ".corrupt-" in name):
+            continue
+        try:
+            n = storage.size(name, MANIFEST)
+            tail = bytearray(min(n, _TAIL))
+            got = storage.read_into(name, MANIFEST, n - len(tail), tail)
+            m = _SEALED_TAIL.search(bytes(tail[:got]))
+            section = load_json(m.group(1)) if m is not None else None
+        except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+            continue
+        if isinstance(section, dict) and isinstance(section.get("key_id"), str):
+            yield name, section
 
 
 def encrypted_evidence(storage: Storage, naming: Naming) -> dict[str, Any] | None:
@@ -205,26 +227,21 @@ def encrypted_evidence(storage: Storage, naming: Naming) -> dict[str, Any] | Non
     aside as corrupt or abandoned) has an encrypted manifest; None when none has.
 
     Whether a directory is encrypted must not rest on ``.pitstop/directory.json`` alone,
-    which whoever can write the directory can edit or remove: with a key at hand, a reader
+    which whoever can write the directory can edit or remove: with a key at hand, a manager
     asks this when the identity records no encryption. An encrypted checkpoint cannot be
     made without the key, and pitstop never mixes kinds in a directory, so one is proof
-    enough that a plaintext one beside it was planted. Reads the last few KiB of each
-    manifest (its encryption section), never a whole one."""
-    for name in storage.list_checkpoints():
-        base = name.split(".", 1)[0]
-        if naming.parse(name) is None and naming.parse(base) is None:
-            continue
-        try:
-            from .storage.local import MANIFEST
-            n = storage.size(name, MANIFEST)
-            tail = bytearray(min(n, _TAIL))
-            got = storage.read_into(name, MANIFEST, n - len(tail), tail)
-        except (OSError, ValueError):
-            continue
-        m = _SEALED_TAIL.search(bytes(tail[:got]))
-        if m is not None:
-            return {"algorithm": "aes-256-gcm", "key_id": m.group(1).decode()}
+    enough that a plaintext one beside it was planted."""
+    for _name, section in sealed_sections(storage, naming):
+        return {"algorithm": "aes-256-gcm", "key_id": section["key_id"]}
     return None
+
+
+def last_seq(storage: Storage, naming: Naming) -> int:
+    """The highest ``seq`` an encrypted checkpoint of the directory records (also one moved
+    aside: a rollback's abandoned checkpoints were saved before the next save); 0: none."""
+    seqs = [sec["seq"] for _n, sec in sealed_sections(storage, naming)
+            if type(sec.get("seq")) is int]
+    return max(seqs, default=0)
 
 
 def directory_kind(storage: Storage, naming: Naming, identity: Identity | None,
@@ -555,6 +572,27 @@ class Catalog:
                 self._removed(s)
             except OSError as e:  # one failed deletion must not stop the others
                 log.warning("pitstop: retention could not delete step %d: %s", s, e)
+
+    def check_replay(self, manifest: Manifest, where: str) -> None:
+        """Refuse an encrypted checkpoint saved before a checkpoint of an older step that is
+        in the directory: a run only saves growing steps, except after a rollback, which
+        moves the newer checkpoints aside (``.abandoned-``); one of those renamed back into
+        place is such a checkpoint. Each save records its place in the directory's order
+        (``seq``, under the manifest's MAC); older checkpoints without one are not compared."""
+        seq = (manifest.encryption or {}).get("seq")
+        if type(seq) is not int:
+            return
+        for name, section in sealed_sections(self.storage, self.naming, aside=False):
+            step, later = self.naming.parse(name), section.get("seq")
+            if step is not None and step < manifest.step and type(later) is int and later > seq:
+                from .errors import CorruptCheckpointError
+                raise CorruptCheckpointError(
+                    f"{where}: step {manifest.step} was saved before step {step} "
+                    f"({self.storage.path_of(name)}), which continues from an older step: it "
+                    "belongs to a run that a rollback abandoned (moved aside as .abandoned- "
+                    "and put back), so it is not this run's newest state: the newest one saved after it is "
+                    f"restored instead. restore(step={manifest.step}) still reads it, if it "
+                    "is what you mean to continue from", checkpoint=where, file="manifest.json")
 
     def _written_here(self, step: int) -> bool:
         """True when the checkpoint's own manifest names this directory's id (checked right

@@ -53,6 +53,7 @@ from .catalog import (
     check_encryption,
     create_identity,
     directory_kind,
+    last_seq,
     read_identity,
     record_retention,
     resolve_naming,
@@ -391,6 +392,10 @@ class CheckpointManager:
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
                 encryption=encryption, incremental=incremental,
                 lazy=snapshot == "lazy" and async_save)
+            if encryption is not None and (coord is None or coord.leader):
+                # each encrypted save records its place in the directory's order of saves
+                self._engine.last_seq = wrap_os(last_seq, self.directory, self.storage,
+                                                self.naming)
             # a checkpoint leaving the directory is never referenced by the next save
             self._catalog.on_removed = self._engine.forget_previous
             self.hooks = self._engine.hooks
@@ -649,6 +654,8 @@ class CheckpointManager:
                     reader = CheckpointReader(self.storage, self.naming.name(s),
                                               naming=self.naming, encryption=self.encryption,
                                               directory_id=self.directory_id)
+                    if step is None:  # the newest: never one of an abandoned run put back
+                        self._catalog.check_replay(reader.manifest, reader.where)
                     self._use_rank(reader)
                     loaded = reader.load()
                 self._tell_supervisor("restore", step=s)
@@ -1040,7 +1047,7 @@ class CheckpointManager:
         vanished: list[int] = []
         for s in self._newest_first(vanished):
             try:
-                report = self._restore_one(s, flat, strict)
+                report = self._restore_one(s, flat, strict, newest=True)
             except CorruptCheckpointError as e:
                 if not e.overwritten and s not in self._committed():
                     vanished.append(s)  # deleted meanwhile (another writer's retention)
@@ -1168,7 +1175,7 @@ class CheckpointManager:
 
             try:
                 try:
-                    report = self._restore_one(s, flat, strict, checked)
+                    report = self._restore_one(s, flat, strict, checked, newest=True)
                 except CheckpointError as e:
                     if not told[0]:
                         checked(e)  # failed before its checks: the others learn it there
@@ -1212,8 +1219,8 @@ class CheckpointManager:
         return None, None
 
     def _restore_one(self, step: int, flat: FlatState, strict: bool,
-                     checked: Callable[[CheckpointError | None], None] | None = None
-                     ) -> RestoreReport:
+                     checked: Callable[[CheckpointError | None], None] | None = None,
+                     newest: bool = False) -> RestoreReport:
         name = self.naming.name(step)
 
         def read(storage: Any) -> RestoreReport:
@@ -1221,6 +1228,8 @@ class CheckpointManager:
                 reader = CheckpointReader(storage, name, naming=self.naming,
                                           encryption=self.encryption,
                                           directory_id=self.directory_id)
+                if newest:  # never a checkpoint of an abandoned run put back in place
+                    self._catalog.check_replay(reader.manifest, reader.where)
                 self._use_rank(reader)
                 return reader.restore_into(flat, strict, checked)
 

@@ -361,3 +361,29 @@ def test_an_encrypted_checkpoint_of_another_run_with_the_same_key_is_refused(tmp
         assert m.restore(t) == 2
         m.save(3, small(3)).wait()
     assert m.all_steps() == [1, 2, 3]
+
+
+def test_a_checkpoint_of_an_abandoned_run_put_back_in_place_is_refused(tmp_path):
+    """Before the fix: after a rollback (restore(step=1), then a save of step 2), the
+    abandoned run's step 3, moved aside as .abandoned-, renamed back into place was
+    restored as the newest state (same directory, same step: everything it is bound to
+    holds). Each encrypted save records its place in the directory's order (seq, under
+    the MAC), so a checkpoint saved before a checkpoint of an older step is refused, and
+    the newest one saved after it restored; restore(step=3) still reads it on purpose."""
+    saved(tmp_path, steps=(1, 2, 3))
+    t = {"w": np.zeros(8), "step": 0}
+    with mgr(tmp_path) as m:
+        assert m.restore(t, step=1) == 1
+        m.save(2, small(2) | {"step": 22}).wait()  # the new run: 2 and 3 moved aside
+    aside = sorted(p for p in tmp_path.iterdir() if ".abandoned-" in p.name)
+    assert [p.name.split(".")[0] for p in aside] == ["step_0000000002", "step_0000000003"]
+    aside[1].rename(step_dir(tmp_path, 3))
+    with mgr(tmp_path, read_only=True) as m, pytest.warns(UserWarning, match="abandoned"):
+        assert m.restore(t) == 2 and t["step"] == 22
+        assert m.load()["step"] == 22
+        assert m.load(3)["step"] == 3
+    with mgr(tmp_path) as m, pytest.warns(UserWarning, match="abandoned"):
+        assert m.restore(t) == 2 and t["step"] == 22
+        m.save(3, small(3) | {"step": 33}).wait()  # the run goes on: a later seq
+    with mgr(tmp_path) as m:
+        assert m.restore(t) == 3 and t["step"] == 33
