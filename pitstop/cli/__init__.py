@@ -67,7 +67,7 @@ from ..core.errors import (
     DirectoryLockedError,
     EncryptionKeyError,
 )
-from ..core.manifest import Manifest
+from ..core.manifest import Manifest, load_json
 from ..core.names import DEFAULT, Naming
 from ..core.reader import CheckpointReader, nbytes_of
 from ..core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
@@ -238,7 +238,7 @@ def _naming(storage: Storage) -> Naming:
     where none is recorded, or where that file is unreadable (gc then says so)."""
     try:
         raw = storage.read_meta("directory.json")
-        doc = json.loads(raw) if raw is not None else None
+        doc = load_json(raw) if raw is not None else None
     except (OSError, ValueError, RecursionError):
         return DEFAULT
     if not isinstance(doc, dict) or "naming" not in doc:
@@ -562,15 +562,29 @@ def _encryption() -> Any:
     return _KEY[0]
 
 
-def _plaintext_ok(storage: Storage) -> bool:
-    """False in a directory whose identity records encryption: a plaintext checkpoint there
-    was not written by its runs (it is not authenticated), so verify reports it."""
+def _bound(storage: Storage, naming: Naming, key: Any) -> dict[str, Any]:
+    """How a checkpoint of this directory is read with ``key`` (None: no key): plaintext
+    ones too, except in an encrypted directory (its identity records encryption, or any of
+    its checkpoints is encrypted: a plaintext one there is not authenticated, so verify
+    reports it); an encrypted one only when its sealed manifest names the directory's id
+    (as the identity records it)."""
+    if key is None:
+        return {"plaintext_ok": True}
+    from ..core.catalog import encrypted_evidence
     try:
         raw = storage.read_meta("directory.json")
-        doc = json.loads(raw) if raw is not None else None
-    except (OSError, ValueError, RecursionError):
-        return True
-    return not (isinstance(doc, dict) and doc.get("encryption"))
+        doc = load_json(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+        doc = None
+    ident = doc.get("directory_id") if isinstance(doc, dict) else None
+    encrypted = isinstance(doc, dict) and bool(doc.get("encryption"))
+    if not encrypted:
+        try:
+            encrypted = encrypted_evidence(storage, naming) is not None
+        except OSError:
+            encrypted = False
+    return {"plaintext_ok": not encrypted,
+            "directory_id": ident if isinstance(ident, str) else None}
 
 
 def _reader(storage: Storage, name: str, naming: Naming) -> CheckpointReader:
@@ -579,7 +593,7 @@ def _reader(storage: Storage, name: str, naming: Naming) -> CheckpointReader:
     key = _encryption()
     try:
         return CheckpointReader(storage, name, naming=naming, encryption=key,
-                                plaintext_ok=key is None or _plaintext_ok(storage))
+                                **_bound(storage, naming, key))
     except Exception as e:  # noqa: BLE001 - every way a manifest can be broken
         code, why = _failure(e, storage.path_of(name))
         raise CliError(why, code) from None
@@ -638,7 +652,7 @@ def _retention(storage: Storage) -> _Retention:
     from ..core.policy import KeepAll, KeepBest, KeepEverySteps, KeepLast
     try:
         raw = storage.read_meta("directory.json")
-        doc = json.loads(raw) if raw is not None else None
+        doc = load_json(raw) if raw is not None else None
     except (OSError, ValueError, RecursionError):
         doc = None
     record = doc.get("retention") if isinstance(doc, dict) else None
@@ -793,7 +807,7 @@ def _aside_refs(storage: Storage, listing: Listing) -> dict[str, tuple[str, ...]
         if why != "abandoned":
             continue
         try:
-            doc = json.loads(storage.read_bytes(name, MANIFEST))
+            doc = load_json(storage.read_bytes(name, MANIFEST))
             out[name] = tuple(str(r) for r in doc.get("refs") or ())
         except Exception:  # noqa: BLE001 - unreadable: references nothing we can tell
             out[name] = ()
@@ -1199,7 +1213,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             try:
                 key = _encryption()
                 reader = CheckpointReader(storage, name, naming=naming, encryption=key,
-                                          plaintext_ok=key is None or _plaintext_ok(storage))
+                                          **_bound(storage, naming, key))
                 with _progress_bar(show, f"step {s}") as bar:
                     reader.verify(progress=bar)
             except CorruptCheckpointError as e:
@@ -1409,9 +1423,9 @@ def _directory_id(storage: Storage) -> tuple[str | None, str | None]:
     if raw is None:
         return None, None
     try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None, "not valid JSON"
+        doc = load_json(raw)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return None, "not valid JSON (or a key twice)"
     if not isinstance(doc, dict):
         return None, f"not a JSON object (found {_short(doc, 40)})"
     ident = doc.get("directory_id")

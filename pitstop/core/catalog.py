@@ -18,12 +18,12 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError, InvalidArgumentError
-from .manifest import Manifest, peek_header
+from .manifest import Manifest, load_json, peek_header
 from .names import DEFAULT, Naming
 from .policy import (
     CheckpointInfo,
@@ -68,7 +68,7 @@ def read_identity(storage: Storage, *, required: bool) -> Identity | None:
     if raw is None:
         return None
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw)
         ident = doc["directory_id"]
         if not isinstance(ident, str) or not _ID.fullmatch(ident):
             # the id names memory-tier files: nothing but letters, digits, - and _
@@ -147,7 +147,7 @@ def record_retention(storage: Storage, policies: list[RetentionPolicy]) -> None:
     if raw is None:
         return
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return  # (read_identity refused it already, or reads without it)
     record = retention_record(policies)
@@ -159,26 +159,108 @@ def record_retention(storage: Storage, policies: list[RetentionPolicy]) -> None:
 
 def identity_of_checkpoints(storage: Storage, naming: Naming) -> Identity | None:
     """For a directory without an identity file (its ``.pitstop/`` was not copied along, or
-    was lost): whether its committed checkpoints are encrypted, and with which key id, as the
-    newest readable manifest says (None: no checkpoints). Only used to refuse a writer that
-    would mix plaintext and encrypted checkpoints, and to find the key for a reader; it
-    proves nothing, so it trusts nothing."""
+    was lost): whether its committed checkpoints are encrypted, with which key id, and of
+    which directory id (None: no checkpoints). Encrypted when any of them is (a planted
+    plaintext newest one does not make the directory plaintext); its id is the one every
+    encrypted checkpoint names, and when they name several (a checkpoint of another run
+    copied in), no id can be trusted: raises. It proves nothing, so it trusts nothing: it
+    refuses writers that would mix kinds, finds the key for a reader and binds the reads
+    to the id (``CheckpointReader`` then checks each manifest's seal)."""
     from .storage.local import MANIFEST
     names = sorted((s, n) for n in storage.list_checkpoints()
                    if (s := naming.parse(n)) is not None)
     if not names:
         return None
+    found: dict[str, Any] | None = None
+    ids: dict[str, str] = {}
     for _, name in reversed(names):
         try:
-            doc = json.loads(storage.read_bytes(name, MANIFEST))
+            doc = load_json(storage.read_bytes(name, MANIFEST))
         except (OSError, ValueError, UnicodeDecodeError, RecursionError):
             continue
         enc = doc.get("encryption") if isinstance(doc, dict) else None
         if isinstance(enc, dict) and isinstance(enc.get("key_id"), str):
-            return Identity("", naming, {"algorithm": str(enc.get("algorithm")),
-                                         "key_id": enc["key_id"]})
-        break
-    return Identity("", naming, None)
+            found = found or {"algorithm": str(enc.get("algorithm")), "key_id": enc["key_id"]}
+            if isinstance(doc.get("directory_id"), str):
+                ids.setdefault(doc["directory_id"], name)
+    if len(ids) > 1:
+        shown = ", ".join(f"{n} names {i}" for i, n in sorted(ids.items(), key=lambda x: x[1]))
+        raise CheckpointError(
+            f"{storage.location} has no .pitstop/{IDENTITY}, and its encrypted checkpoints "
+            f"name {len(ids)} directory ids ({shown}): some were copied in from another run, "
+            "and pitstop cannot tell which are this directory's. Put back the directory's "
+            f".pitstop/{IDENTITY}, or move the checkpoints of the other run out")
+    return Identity(next(iter(ids), ""), naming, found)
+
+
+#: an encrypted manifest's last bytes: its encryption section (no nested object) and MAC
+#: are the last fields pitstop writes
+_TAIL = 4096
+_SEALED_TAIL = re.compile(rb'"encryption":(\{[^{}]*\}),"manifest_mac":"[0-9a-f]{1,128}"\}\s*$')
+
+
+def sealed_sections(storage: Storage, naming: Naming, aside: bool = True
+                    ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(name, encryption section)`` of each checkpoint in the directory whose manifest is
+    encrypted (``aside``: also those moved aside as corrupt or abandoned), read from the
+    last few KiB of each manifest, never a whole one. Not authenticated: what it says is
+    used only to refuse (a plaintext checkpoint beside it, a replayed one), never to trust."""
+    from .storage.local import MANIFEST
+    for name in storage.list_checkpoints():
+        if naming.parse(name) is None and not (aside and ".abandoned-" in name or
+                                               aside and ".corrupt-" in name):
+            continue
+        try:
+            n = storage.size(name, MANIFEST)
+            tail = bytearray(min(n, _TAIL))
+            got = storage.read_into(name, MANIFEST, n - len(tail), tail)
+            m = _SEALED_TAIL.search(bytes(tail[:got]))
+            section = load_json(m.group(1)) if m is not None else None
+        except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+            continue
+        if isinstance(section, dict) and isinstance(section.get("key_id"), str):
+            yield name, section
+
+
+def encrypted_evidence(storage: Storage, naming: Naming) -> dict[str, Any] | None:
+    """``{"algorithm", "key_id"}`` when any checkpoint in the directory (committed, or moved
+    aside as corrupt or abandoned) has an encrypted manifest; None when none has.
+
+    Whether a directory is encrypted must not rest on ``.pitstop/directory.json`` alone,
+    which whoever can write the directory can edit or remove: with a key at hand, a manager
+    asks this when the identity records no encryption. An encrypted checkpoint cannot be
+    made without the key, and pitstop never mixes kinds in a directory, so one is proof
+    enough that a plaintext one beside it was planted."""
+    for _name, section in sealed_sections(storage, naming):
+        return {"algorithm": "aes-256-gcm", "key_id": section["key_id"]}
+    return None
+
+
+def last_seq(storage: Storage, naming: Naming) -> int:
+    """The highest ``seq`` an encrypted checkpoint of the directory records (also one moved
+    aside: a rollback's abandoned checkpoints were saved before the next save); 0: none."""
+    seqs = [sec["seq"] for _n, sec in sealed_sections(storage, naming)
+            if type(sec.get("seq")) is int]
+    return max(seqs, default=0)
+
+
+def directory_kind(storage: Storage, naming: Naming, identity: Identity | None,
+                   keyed: bool) -> Identity | None:
+    """What a manager takes the directory to be: its identity, or (without one) what its
+    checkpoints say; with a key at hand (``keyed``), a directory that looks plaintext but
+    holds an encrypted checkpoint is encrypted (:func:`encrypted_evidence`): its identity
+    was edited, or a plaintext checkpoint planted as the newest one."""
+    kind = identity or identity_of_checkpoints(storage, naming)
+    if keyed and kind is not None and kind.encryption is None:
+        found = encrypted_evidence(storage, naming)
+        if found is not None:
+            log.warning("pitstop: %s holds encrypted checkpoints (key id %s), but %s: it is "
+                        "read as an encrypted directory, and a plaintext checkpoint in it is "
+                        "not trusted", storage.location, found["key_id"],
+                        "its identity records no encryption" if identity is not None else
+                        "its newest checkpoint is plaintext")
+            kind = dataclasses.replace(kind, encryption=found)
+    return kind
 
 
 def check_encryption(location: str, identity: Identity | None, encryption: Any,
@@ -349,7 +431,7 @@ class Catalog:
             refs = self._aside_refs.get(entry)
             if refs is None:
                 try:
-                    doc = json.loads(self.storage.read_bytes(entry, MANIFEST))
+                    doc = load_json(self.storage.read_bytes(entry, MANIFEST))
                     refs = tuple(str(r) for r in doc.get("refs") or ())
                 except (OSError, ValueError, TypeError, AttributeError):
                     refs = ()  # (encrypted, unreadable: references nothing we can tell)
@@ -384,7 +466,8 @@ class Catalog:
                 continue
             try:
                 m = CheckpointReader(self.storage, self.naming.name(s), naming=self.naming,
-                                     encryption=self.encryption).manifest
+                                     encryption=self.encryption,
+                                     directory_id=self.directory_id).manifest
             except CheckpointError as e:
                 log.warning("pitstop: cannot read checkpoint of step %d: %s", s, e)
                 # (an entry of an index from before references: kept as it was, with none)
@@ -499,6 +582,27 @@ class Catalog:
                 self._removed(s)
             except OSError as e:  # one failed deletion must not stop the others
                 log.warning("pitstop: retention could not delete step %d: %s", s, e)
+
+    def check_replay(self, manifest: Manifest, where: str) -> None:
+        """Refuse an encrypted checkpoint saved before a checkpoint of an older step that is
+        in the directory: a run only saves growing steps, except after a rollback, which
+        moves the newer checkpoints aside (``.abandoned-``); one of those renamed back into
+        place is such a checkpoint. Each save records its place in the directory's order
+        (``seq``, under the manifest's MAC); older checkpoints without one are not compared."""
+        seq = (manifest.encryption or {}).get("seq")
+        if type(seq) is not int:
+            return
+        for name, section in sealed_sections(self.storage, self.naming, aside=False):
+            step, later = self.naming.parse(name), section.get("seq")
+            if step is not None and step < manifest.step and type(later) is int and later > seq:
+                from .errors import CorruptCheckpointError
+                raise CorruptCheckpointError(
+                    f"{where}: step {manifest.step} was saved before step {step} "
+                    f"({self.storage.path_of(name)}), which continues from an older step: it "
+                    "belongs to a run that a rollback abandoned (moved aside as .abandoned- "
+                    "and put back), so it is not this run's newest state: the newest one saved after it is "
+                    f"restored instead. restore(step={manifest.step}) still reads it, if it "
+                    "is what you mean to continue from", checkpoint=where, file="manifest.json")
 
     def _written_here(self, step: int) -> bool:
         """True when the checkpoint's own manifest names this directory's id (checked right
@@ -632,4 +736,5 @@ class Catalog:
 
 
 __all__ = ["Catalog", "Identity", "read_identity", "create_identity", "resolve_naming",
+           "directory_kind", "encrypted_evidence",
            "record_retention", "retention_record"]

@@ -148,11 +148,15 @@ class Encryption:
                         "one in each process (the key from the same environment variable)")
 
     # ------------------------------------------------------------------ manifest
-    def record(self, save_id: str) -> dict[str, Any]:
-        """The manifest's ``encryption`` section for one save (no key material)."""
-        return {"algorithm": ALGORITHM, "kdf": "hkdf-sha256", "key_id": self.key_id,
-                "segment_bytes": SEGMENT, "nonce": "random-96", "mac": "hmac-sha256",
-                "save_id": save_id}
+    def record(self, save_id: str, seq: int | None = None) -> dict[str, Any]:
+        """The manifest's ``encryption`` section for one save (no key material); ``seq``:
+        the save's place in its directory's order of saves (see ``docs/encryption.md``)."""
+        rec: dict[str, Any] = {"algorithm": ALGORITHM, "kdf": "hkdf-sha256",
+                               "key_id": self.key_id, "segment_bytes": SEGMENT,
+                               "nonce": "random-96", "mac": "hmac-sha256", "save_id": save_id}
+        if seq is not None:
+            rec["seq"] = seq
+        return rec
 
     def seal(self, body: bytes) -> bytes:
         """Append ``"manifest_mac"``: HMAC-SHA256 of the manifest's bytes without it."""
@@ -164,10 +168,10 @@ class Encryption:
         return SaveCipher(self._data, int(record["segment_bytes"]), json.dumps(
             [directory_id, step, record["save_id"]], separators=(",", ":")).encode())
 
-    def new_save(self, directory_id: str, step: int, save_id: str | None = None
-                 ) -> tuple[dict[str, Any], SaveCipher]:
+    def new_save(self, directory_id: str, step: int, save_id: str | None = None,
+                 seq: int | None = None) -> tuple[dict[str, Any], SaveCipher]:
         """A new save's record and cipher (``save_id``: rank 0's, in a multi-rank save)."""
-        record = self.record(save_id or secrets.token_hex(16))
+        record = self.record(save_id or secrets.token_hex(16), seq)
         return record, self.cipher(record, directory_id, step)
 
 
@@ -197,6 +201,9 @@ def check_sealed(data: bytes, doc: dict[str, Any], where: str,
             f"{where}: manifest authentication failed (manifest.json changed after it was "
             "committed)", checkpoint=where, file="manifest.json")
     seg = rec.get("segment_bytes")
+    if "seq" in rec and (type(rec["seq"]) is not int or rec["seq"] < 0):
+        raise CorruptCheckpointError(f"{where}: malformed encryption section (seq)",
+                                     checkpoint=where, file="manifest.json")
     if type(seg) is not int or not 1 <= seg <= 1 << 30 or not isinstance(rec.get("save_id"), str):
         raise CorruptCheckpointError(f"{where}: malformed encryption section",
                                      checkpoint=where, file="manifest.json")

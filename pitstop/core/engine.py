@@ -279,6 +279,11 @@ class Engine:
         self._previous: _Previous | None = None
         #: a :class:`~pitstop.core.crypto.Encryption`: every data file and manifest encrypted
         self.encryption = encryption
+        #: the ``seq`` of the last encrypted save in the directory (set by the manager from
+        #: its checkpoints): each save records the next, so a checkpoint of an abandoned run
+        #: put back in place is told apart from one saved after it (docs/encryption.md)
+        self.last_seq = 0
+        self._seq_lock = threading.Lock()
         #: the ranks this engine saves with (None: one process)
         self.coordinator = coordinator
         self.hash_algorithm = hash_algorithm
@@ -728,7 +733,8 @@ class Engine:
         txn = self.storage.begin(name)
         try:
             t_write = time.perf_counter()
-            record, cipher = self.encryption.new_save(self.directory_id, job.step) \
+            record, cipher = self.encryption.new_save(self.directory_id, job.step,
+                                                      seq=self._next_seq()) \
                 if self.encryption is not None else (None, None)
             results = self._map_all(
                 lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes, cipher=cipher,
@@ -927,7 +933,8 @@ class Engine:
                 f"{where}: the ranks encrypt with different keys (key ids {keys}; None: no "
                 "encryption); give every rank the same key (the same environment variable). "
                 "The step is not committed", step=job.step, path=self.storage.path_of(name))
-        record, cipher = enc.new_save(self.directory_id, job.step, answers[0]["save_id"]) \
+        record, cipher = enc.new_save(self.directory_id, job.step, answers[0]["save_id"],
+                                      self._next_seq() if coord.leader else None) \
             if enc is not None else (None, None)
         if not all(a["finite"] for a in answers):
             if txn is not None:
@@ -1004,6 +1011,11 @@ class Engine:
                     forget(int(s))  # deleted by the leader's retention
             self._committed(job, self.storage.path_of(name), t0, t_hashed, t_write, t_written)
         return manifest
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self.last_seq += 1
+            return self.last_seq
 
     def _world_manifest(self, job: PersistJob, name: str, held: list[Any], wrote: list[Any],
                         writer: dict[tuple[str, str], int]) -> Manifest:

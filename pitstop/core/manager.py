@@ -52,7 +52,8 @@ from .catalog import (
     Catalog,
     check_encryption,
     create_identity,
-    identity_of_checkpoints,
+    directory_kind,
+    last_seq,
     read_identity,
     record_retention,
     resolve_naming,
@@ -237,9 +238,13 @@ class CheckpointManager:
             #: how this directory names its checkpoints (recorded in .pitstop/directory.json)
             self.naming: Naming = resolve_naming(
                 self.directory, identity.naming if identity else None, step_prefix, step_digits)
-            # no identity (its .pitstop/ not copied along): what the checkpoints say
-            kind = identity or wrap_os(identity_of_checkpoints, self.directory, self.storage,
-                                       self.naming)
+            # no identity (its .pitstop/ not copied along): what the checkpoints say; with a
+            # key at hand, an encrypted checkpoint makes the directory encrypted whatever its
+            # identity says (that file is anyone's to edit)
+            kind = wrap_os(directory_kind, self.directory, self.storage, self.naming, identity,
+                           encryption is not None or bool(os.environ.get(ENV)))
+            if kind is not None and not self.directory_id:
+                self.directory_id = kind.directory_id  # (its checkpoints' one id)
             if encryption is None and kind is not None and kind.encryption and \
                     os.environ.get(ENV):
                 # reading only (the export helpers, the CLI): the key from its variable
@@ -316,16 +321,25 @@ class CheckpointManager:
                     self.naming = resolve_naming(
                         self.directory, identity.naming if identity else None, step_prefix,
                         step_digits)
-                    if identity is None:
+                    kind = wrap_os(directory_kind, self.directory, self.storage,
+                                   self.naming, identity, encryption is not None)
+                    if identity is None and kind is not None:
                         # checkpoints without an identity (their .pitstop/ lost or not
                         # copied): a writer still never mixes plaintext and encrypted ones
-                        kind = wrap_os(identity_of_checkpoints, self.directory, self.storage,
-                                       self.naming)
-                        if kind is not None:
-                            check_encryption(self.directory, kind, encryption, True)
+                        check_encryption(self.directory, kind, encryption, True)
+                    elif identity is not None and kind is not None and \
+                            kind.encryption != identity.encryption:
+                        # an identity edited to record no encryption: its checkpoints' kind
+                        check_encryption(self.directory, kind, encryption, True)
+                        identity = kind
+                        wrap_os(create_identity, self.directory, self.storage, self.naming,
+                                encryption, identity.directory_id)
+                    # (encrypted checkpoints are bound to their directory's id: a new
+                    # identity for them takes the id they name)
                     self.directory_id = identity.directory_id if identity else \
                         wrap_os(create_identity, self.directory, self.storage, self.naming,
-                                encryption)
+                                encryption, kind.directory_id if kind and kind.encryption
+                                else None)
                     self._catalog = Catalog(self.storage, self.directory_id, retention_list,
                                             read_only=False, naming=self.naming,
                                             on_save=on_save, encryption=encryption)
@@ -381,6 +395,10 @@ class CheckpointManager:
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
                 encryption=encryption, incremental=incremental,
                 lazy=snapshot == "lazy" and async_save)
+            if encryption is not None and (coord is None or coord.leader):
+                # each encrypted save records its place in the directory's order of saves
+                self._engine.last_seq = wrap_os(last_seq, self.directory, self.storage,
+                                                self.naming)
             # a checkpoint leaving the directory is never referenced by the next save
             self._catalog.on_removed = self._engine.forget_previous
             self._engine.forget_step = self._catalog.forget  # (the leader's retention)
@@ -641,7 +659,10 @@ class CheckpointManager:
             try:
                 with self.storage.read_lease(self.naming.name(s)), _no_gc():
                     reader = CheckpointReader(self.storage, self.naming.name(s),
-                                              naming=self.naming, encryption=self.encryption)
+                                              naming=self.naming, encryption=self.encryption,
+                                              directory_id=self.directory_id)
+                    if step is None:  # the newest: never one of an abandoned run put back
+                        self._catalog.check_replay(reader.manifest, reader.where)
                     self._use_rank(reader)
                     loaded = reader.load()
                 self._tell_supervisor("restore", step=s)
@@ -744,7 +765,8 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
         try:
             return CheckpointReader(self.storage, self.naming.name(step), naming=self.naming,
-                                    encryption=self.encryption).manifest
+                                    encryption=self.encryption,
+                                    directory_id=self.directory_id).manifest
         except CorruptCheckpointError as e:
             gone = self._gone(step, e)
             if gone is None:
@@ -1125,7 +1147,7 @@ class CheckpointManager:
         vanished: list[int] = []
         for s in self._newest_first(vanished):
             try:
-                report = self._restore_one(s, flat, strict)
+                report = self._restore_one(s, flat, strict, newest=True)
             except CorruptCheckpointError as e:
                 if not e.overwritten and s not in self._committed():
                     vanished.append(s)  # deleted meanwhile (another writer's retention)
@@ -1253,7 +1275,7 @@ class CheckpointManager:
 
             try:
                 try:
-                    report = self._restore_one(s, flat, strict, checked)
+                    report = self._restore_one(s, flat, strict, checked, newest=True)
                 except CheckpointError as e:
                     if not told[0]:
                         checked(e)  # failed before its checks: the others learn it there
@@ -1297,14 +1319,17 @@ class CheckpointManager:
         return None, None
 
     def _restore_one(self, step: int, flat: FlatState, strict: bool,
-                     checked: Callable[[CheckpointError | None], None] | None = None
-                     ) -> RestoreReport:
+                     checked: Callable[[CheckpointError | None], None] | None = None,
+                     newest: bool = False) -> RestoreReport:
         name = self.naming.name(step)
 
         def read(storage: Any) -> RestoreReport:
             with self.storage.read_lease(name):
                 reader = CheckpointReader(storage, name, naming=self.naming,
-                                          encryption=self.encryption)
+                                          encryption=self.encryption,
+                                          directory_id=self.directory_id)
+                if newest:  # never a checkpoint of an abandoned run put back in place
+                    self._catalog.check_replay(reader.manifest, reader.where)
                 self._use_rank(reader)
                 return reader.restore_into(flat, strict, checked)
 

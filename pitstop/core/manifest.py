@@ -375,7 +375,8 @@ def peek_header(data: bytes, where: str) -> dict[str, Any] | None:
         return None
     if not text.startswith("{") or not data.endswith(b'"}'):
         return None
-    decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+    decoder = json.JSONDecoder(object_pairs_hook=_unique, parse_constant=_not_json,
+                               parse_float=_finite)
     head: dict[str, Any] = {}
     pos = 1
     try:
@@ -389,6 +390,14 @@ def peek_header(data: bytes, where: str) -> dict[str, Any] | None:
             pos += 1
     except (ValueError, RecursionError):
         return None
+    end = len(text[:pos].encode())
+    for name in _HEAD[:2] + _HEAD[3:]:
+        # the same field again further on: the whole parse refuses such a manifest
+        # (load_json), so the header must not be read from it. ("step" is a common key of
+        # values, and retention decides by directory_id; a second top-level step is
+        # refused by the whole parse of any reader)
+        if data.find(b'"%s":' % name.encode(), end) >= 0:
+            return None
     version = head["format_version"]
     if head["format"] != FORMAT or type(version) is not str or not _VERSION.fullmatch(version) \
             or not 1 <= int(version.split(".")[0]) <= MAJOR or type(head["step"]) is not int:
@@ -396,6 +405,27 @@ def peek_header(data: bytes, where: str) -> dict[str, Any] | None:
     check_seal(data, {"manifest_hash": digest, "format_version": version,
                       "hash_algorithm": head["hash_algorithm"]}, where)
     return head
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object, refused when a key occurs twice in it: Python's json keeps the last,
+    a quick read of the leading fields the first, so the two could disagree about whose
+    checkpoint it is (and other JSON readers pick either)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _v in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"key {_brief(dup)} occurs twice in one object")
+    return out
+
+
+def load_json(data: bytes | str) -> Any:
+    """The one parse of a manifest and of ``.pitstop/directory.json``: strict JSON (no
+    ``NaN``/``Infinity``, no number beyond a double) and no key twice in one object.
+    Raises ``ValueError`` (``json.JSONDecodeError`` for a syntax error), ``RecursionError``
+    or ``UnicodeDecodeError``."""
+    return json.loads(data, object_pairs_hook=_unique, parse_constant=_not_json,
+                      parse_float=_finite)
 
 
 def _not_json(word: str) -> Any:
@@ -506,7 +536,7 @@ def on_fresh_stack(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _parse(data: bytes, where: str, encryption: Any) -> Manifest:
     try:
-        doc = json.loads(data, parse_constant=_not_json, parse_float=_finite)
+        doc = load_json(data)
     except RecursionError:
         raise CorruptCheckpointError(f"{where}: manifest is nested too deeply to be one",
                                      checkpoint=where) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import sys
@@ -24,7 +23,15 @@ from .errors import (
     IncompatibleTargetError,
 )
 from .hashing import new_hasher
-from .manifest import PARSE_FRAMES, ArrayEntry, Manifest, deeper_than, on_fresh_stack, parse
+from .manifest import (
+    PARSE_FRAMES,
+    ArrayEntry,
+    Manifest,
+    deeper_than,
+    load_json,
+    on_fresh_stack,
+    parse,
+)
 from .names import DEFAULT, Naming
 from .restore import RestoredStep, RestorePlan, RestoreReport
 from .storage.local import MANIFEST, pread_full
@@ -59,7 +66,7 @@ class ReadableStorage(Protocol):
 def _directory_key_id(storage: Any) -> str | None:
     """The key id the directory's identity records (None: none, or unreadable)."""
     try:
-        doc = json.loads(storage.read_meta("directory.json") or b"null")
+        doc = load_json(storage.read_meta("directory.json") or b"null")
         return str(doc["encryption"]["key_id"])
     except Exception:  # noqa: BLE001 - no identity, no such method, malformed: no key id
         return None
@@ -68,7 +75,7 @@ def _directory_key_id(storage: Any) -> str | None:
 def _key_id_of(data: bytes) -> str:
     """The key id an encrypted manifest names, for a message (at most 32 characters)."""
     try:
-        return str(json.loads(data)["encryption"]["key_id"])[:32]
+        return str(load_json(data)["encryption"]["key_id"])[:32]
     except Exception:  # noqa: BLE001
         return "?"
 
@@ -79,11 +86,15 @@ class CheckpointReader:
 
     ``encryption``: the key of an encrypted checkpoint (:class:`~pitstop.Encryption`); given,
     a plaintext checkpoint is refused as corrupt (it is not authenticated: an encrypted
-    directory never holds one), unless ``plaintext_ok`` (the CLI reads both kinds)."""
+    directory never holds one), unless ``plaintext_ok`` (the CLI reads both kinds).
+    ``directory_id``: the directory's id; an encrypted checkpoint whose sealed manifest
+    names another one (copied in from another run with the same key) is refused as
+    corrupt."""
 
     def __init__(self, storage: ReadableStorage, name: str, *,
                  threads: int | None = None, naming: Naming = DEFAULT,
-                 encryption: Any = None, plaintext_ok: bool = False) -> None:
+                 encryption: Any = None, plaintext_ok: bool = False,
+                 directory_id: str | None = None) -> None:
         self.storage = storage
         self.name = name
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
@@ -114,6 +125,16 @@ class CheckpointReader:
         #: verify(progress=...): called with the bytes of each plain chunk read (see verify)
         self._on_bytes: Callable[[int], None] | None = None
         if self.manifest.encryption is not None:
+            if directory_id and self.manifest.directory_id != directory_id:
+                # (the id is under the manifest's MAC and in every segment's associated
+                # data: only a checkpoint written for another directory names another one)
+                raise CorruptCheckpointError(
+                    f"{self.where}: an encrypted checkpoint of another directory (its sealed "
+                    f"manifest names directory id {str(self.manifest.directory_id)[:64]}, "
+                    f"this directory's is {directory_id}): copied in from another run with "
+                    "the same key, so not this run's state. Read it from the run it came "
+                    "from, or re-save it here (load() it and save() it)",
+                    checkpoint=self.where, file=MANIFEST)
             self._cipher = encryption.cipher(self.manifest.encryption,
                                              self.manifest.directory_id, self.manifest.step)
         elif encryption is not None and not plaintext_ok:

@@ -282,3 +282,108 @@ def test_a_changed_key_id_is_corrupt_and_restore_falls_back(tmp_path):
     with pytest.raises(pitstop.EncryptionKeyError, match="not its key"):
         CheckpointReader(LocalStorage(str(other)), "step_0000000001",
                          encryption=pitstop.Encryption(lambda: KEY))
+
+
+def plant_plaintext(d, s: int, tmp: Path) -> None:
+    """What someone who can write the directory but has no key can do: a plaintext newest
+    checkpoint, its manifest naming the directory's id, resealed with a plain hash."""
+    evil = tmp / f"evil{s}"
+    saved(evil, steps=(s,), key=None)
+    ident = json.loads((Path(d) / ".pitstop" / "directory.json").read_text())["directory_id"] \
+        if (Path(d) / ".pitstop" / "directory.json").exists() else None
+    shutil.copytree(step_dir(evil, s), step_dir(d, s))
+    p = step_dir(d, s) / "manifest.json"
+    doc = json.loads(p.read_bytes())
+    doc.pop("manifest_hash")
+    doc["directory_id"] = ident
+    doc["values"]["step"] = 666
+    p.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode(), doc["hash_algorithm"]))
+
+
+@pytest.mark.parametrize("downgrade", ["identity edited", ".pitstop removed"])
+def test_a_plaintext_checkpoint_planted_in_a_downgraded_directory_is_refused(
+        tmp_path, monkeypatch, downgrade):
+    """Before the fix: with "encryption" removed from .pitstop/directory.json (or .pitstop/
+    deleted) and a plaintext newest step planted, a read-only manager with
+    PITSTOP_ENCRYPTION_KEY set restored the planted state and `pitstop verify` said ok (exit
+    0); a keyed writer refused the directory as "holds unencrypted checkpoints". An
+    encrypted checkpoint in the directory now makes it encrypted whatever that file says."""
+    d = tmp_path / "run"
+    saved(d, steps=(1, 2))
+    ident = d / ".pitstop" / "directory.json"
+    if downgrade == "identity edited":
+        doc = json.loads(ident.read_text())
+        doc.pop("encryption")
+        ident.write_text(json.dumps(doc))
+    else:
+        shutil.rmtree(d / ".pitstop")
+    plant_plaintext(d, 3, tmp_path)
+    monkeypatch.setenv(crypto.ENV, KEY.hex())
+    t = {"w": np.zeros(8), "step": 0}
+    with pitstop.CheckpointManager(d, read_only=True, save_on_signals=None,
+                                   memory_tier=False) as m, pytest.warns(UserWarning):
+        assert m.restore(t) == 2 and t["step"] == 2
+    r = subprocess.run([sys.executable, "-m", "pitstop.cli", "verify", str(d), "--all"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and "step 3: CORRUPT" in r.stdout, r
+    assert "step 2: ok" in r.stdout, r
+    with mgr(d) as m, pytest.warns(UserWarning):  # a writer with the key: encrypted again
+        assert m.restore(t) == 2
+        m.save(4, small(4)).wait()
+    assert json.loads(ident.read_text())["encryption"]["key_id"] == \
+        pitstop.Encryption(lambda: KEY).key_id
+
+
+def test_an_encrypted_checkpoint_of_another_run_with_the_same_key_is_refused(tmp_path):
+    """Before the fix: the newest checkpoint of another run sharing the key, copied in under
+    the next step's name, restored without complaint (the reader never compared the sealed
+    manifest's directory id with the directory's). Refused now, by restore() (which falls
+    back) and by verify; a directory whose .pitstop/ was lost and whose encrypted
+    checkpoints name two ids is refused whole rather than guessed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    saved(a, steps=(1, 2))
+    saved(b, steps=(3,))
+    shutil.copytree(step_dir(b, 3), step_dir(a, 3))
+    t = {"w": np.zeros(8), "step": 0}
+    with mgr(a, read_only=True) as m, pytest.warns(UserWarning, match="another directory"):
+        assert m.restore(t) == 2 and t["w"].tolist() == small(2)["w"].tolist()
+    env = {**os.environ, crypto.ENV: KEY.hex()}
+    r = subprocess.run([sys.executable, "-m", "pitstop.cli", "verify", str(a), "--step", "3"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    assert r.returncode == 1 and "another directory" in r.stdout + r.stderr, r
+    shutil.rmtree(a / ".pitstop")
+    with pytest.raises(pitstop.CheckpointError, match="2 directory ids"):
+        mgr(a, read_only=True)
+    with pytest.raises(pitstop.CheckpointError, match="2 directory ids"):
+        mgr(a)
+    shutil.rmtree(step_dir(a, 3))
+    with mgr(a) as m:  # one id: adopted, so the run's own checkpoints still restore
+        assert m.restore(t) == 2
+        m.save(3, small(3)).wait()
+    assert m.all_steps() == [1, 2, 3]
+
+
+def test_a_checkpoint_of_an_abandoned_run_put_back_in_place_is_refused(tmp_path):
+    """Before the fix: after a rollback (restore(step=1), then a save of step 2), the
+    abandoned run's step 3, moved aside as .abandoned-, renamed back into place was
+    restored as the newest state (same directory, same step: everything it is bound to
+    holds). Each encrypted save records its place in the directory's order (seq, under
+    the MAC), so a checkpoint saved before a checkpoint of an older step is refused, and
+    the newest one saved after it restored; restore(step=3) still reads it on purpose."""
+    saved(tmp_path, steps=(1, 2, 3))
+    t = {"w": np.zeros(8), "step": 0}
+    with mgr(tmp_path) as m:
+        assert m.restore(t, step=1) == 1
+        m.save(2, small(2) | {"step": 22}).wait()  # the new run: 2 and 3 moved aside
+    aside = sorted(p for p in tmp_path.iterdir() if ".abandoned-" in p.name)
+    assert [p.name.split(".")[0] for p in aside] == ["step_0000000002", "step_0000000003"]
+    aside[1].rename(step_dir(tmp_path, 3))
+    with mgr(tmp_path, read_only=True) as m, pytest.warns(UserWarning, match="abandoned"):
+        assert m.restore(t) == 2 and t["step"] == 22
+        assert m.load()["step"] == 22
+        assert m.load(3)["step"] == 3
+    with mgr(tmp_path) as m, pytest.warns(UserWarning, match="abandoned"):
+        assert m.restore(t) == 2 and t["step"] == 22
+        m.save(3, small(3) | {"step": 33}).wait()  # the run goes on: a later seq
+    with mgr(tmp_path) as m:
+        assert m.restore(t) == 3 and t["step"] == 33

@@ -367,3 +367,89 @@ def test_a_group_member_can_restore_and_verify_with_permissions_0o750(shared_bas
     out = run_as_nobody(_GROUP_READER, run, groups=(os.getgid(),))
     assert out == {"restored": 1, "w": [0.0, 1.0, 2.0, 3.0], "verify": 0,
                    "writer": "CheckpointError"}, out
+
+
+def test_a_hard_linked_data_file_is_refused_as_a_symlink_is(tmp_path):
+    """Before the fix: a data file replaced by a hard link to a file outside the checkpoint
+    (its hash recomputed into a resealed manifest) was read, and `pitstop verify` said ok.
+    pitstop never links files (an incremental checkpoint names the older one that holds
+    the bytes), so a data file with a second name is refused, by restore() (which falls
+    back) and verify; the run's own incremental checkpoints still restore."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from pitstop.core.hashing import hash_bytes
+    from pitstop.core.manifest import seal
+    d = tmp_path / "run"
+    with pitstop.CheckpointManager(d, save_on_signals=None, memory_tier=False,
+                                   incremental=True) as m:
+        m.save(1, {"w": np.arange(4.0), "b": np.ones(3)}).wait()
+        m.save(2, {"w": np.arange(4.0), "b": np.ones(3) * 2}).wait()  # w referenced in 1
+    ckpt = d / "step_0000000002"
+    doc = json.loads((ckpt / "manifest.json").read_bytes())
+    assert any("ref" in e for e in doc["arrays"].values())
+    outside = tmp_path / "outside.bin"
+    own = ckpt / doc["arrays"]["b"]["file"]
+    outside.write_bytes(own.read_bytes())
+    own.unlink()
+    os.link(outside, own)
+    with open(outside, "r+b") as f:  # changed through the other name, after the link
+        f.seek(doc["arrays"]["b"]["offset"])
+        f.write(np.full(3, 7.0).tobytes())
+    e = doc["arrays"]["b"]
+    e["hash"] = hash_bytes(doc["hash_algorithm"],
+                           outside.read_bytes()[e["offset"]:e["offset"] + e["length"]])
+    doc.pop("manifest_hash")
+    (ckpt / "manifest.json").write_bytes(
+        seal(json.dumps(doc, separators=(",", ":")).encode(), doc["hash_algorithm"]))
+    r = subprocess.run([sys.executable, "-m", "pitstop.cli", "verify", str(d), "--all"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "step 2: CORRUPT" in r.stdout and "hard link" in r.stdout, r
+    assert "step 1: ok" in r.stdout, r
+    t = {"w": np.zeros(4), "b": np.zeros(3)}
+    with pitstop.CheckpointManager(d, save_on_signals=None, memory_tier=False,
+                                   read_only=True) as m, pytest.warns(UserWarning):
+        assert m.restore(t) == 1 and t["b"].tolist() == [1, 1, 1]
+
+
+def test_a_manifest_with_a_key_twice_is_refused_and_retention_agrees(tmp_path):
+    """Before the fix: json.loads took the last of two "directory_id" keys and the quick
+    header read of retention the first, so the two disagreed about whose checkpoint it was
+    (retention deleted a checkpoint every reader took for another directory's); a key twice
+    inside an entry, or in .pitstop/directory.json, was read too. Every parse now refuses
+    a key twice, and the header read leaves such a manifest to the whole parse."""
+    from pitstop.core.manifest import peek_header, seal
+
+    def twice(ckpt, edit) -> None:
+        body = (ckpt / "manifest.json").read_bytes()
+        body = edit(body[:body.rindex(b',"manifest_hash":')] + b"}")
+        (ckpt / "manifest.json").write_bytes(seal(body, "xxh3-128"))
+
+    d = tmp_path / "run"
+    opts = {"save_on_signals": None, "memory_tier": False}
+    with pitstop.CheckpointManager(d, **opts) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"w": np.arange(4.0) + s}).wait()
+    one, two = d / "step_0000000001", d / "step_0000000002"
+    twice(one, lambda b: b[:-1] + b',"directory_id":"someone-else"}')
+    twice(two, lambda b: b.replace(b'"dtype":"<f8"', b'"dtype":"<i8","dtype":"<f8"', 1))
+    with pitstop.CheckpointManager(d, read_only=True, **opts) as m:
+        for s in (1, 2):
+            with pytest.raises(pitstop.CorruptCheckpointError, match="occurs twice"):
+                m.load(s)
+    with pitstop.CheckpointManager(d, keep_last=1, **opts) as m:
+        m.save(4, {"w": np.arange(4.0)}).wait()
+        # 1 is no one's to delete (before the fix the header read said it was this
+        # directory's); 2 and 3 are this directory's (2: a key twice in an entry)
+        assert m.all_steps() == [1, 4]
+    assert one.exists()
+    ok = (d / "step_0000000004" / "manifest.json").read_bytes()
+    assert peek_header(ok, "x")["step"] == 4
+    assert peek_header((one / "manifest.json").read_bytes(), "x") is None
+    ident = d / ".pitstop" / "directory.json"
+    ident.write_text(ident.read_text()[:-1] + ', "directory_id": "0123"}')
+    with pytest.raises(pitstop.CheckpointError, match="occurs twice"):
+        pitstop.CheckpointManager(d, **opts)

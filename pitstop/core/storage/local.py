@@ -107,6 +107,23 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _check_own(st: os.stat_result, name: str, relpath: str) -> None:
+    """A checkpoint's file is read only when it is a regular file of its own: not a FIFO,
+    a device or a directory, and not a hard link (a second name of a file elsewhere, which
+    can change under it while the checkpoint does not: a symlink is refused for the same
+    reason). pitstop never links files, between checkpoints either (an incremental one
+    names the older checkpoint that holds the bytes), so every file it wrote has one name."""
+    if not stat.S_ISREG(st.st_mode):
+        raise PermissionError(f"{relpath!r} in checkpoint {name!r} is {_kind(st.st_mode)}, "
+                              "not a regular file")
+    if st.st_nlink > 1:
+        raise PermissionError(
+            f"{relpath!r} in checkpoint {name!r} has {st.st_nlink} names (a hard link to a "
+            "file that is also elsewhere, not one pitstop wrote there): not read. A copy made "
+            "with cp -al or rsync --link-dest links files; copy with cp -a (or rsync without "
+            "--link-dest) to read it")
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -447,10 +464,7 @@ class LocalStorage(Storage):
         # the reads of a regular file)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise PermissionError(f"{relpath!r} in checkpoint {name!r} is {_kind(mode)}, "
-                                      "not a regular file")
+            _check_own(os.fstat(fd), name, relpath)
         except BaseException:
             os.close(fd)
             raise
@@ -471,11 +485,8 @@ class LocalStorage(Storage):
         return self._open(name, relpath)
 
     def size(self, name: str, relpath: str) -> int:
-        path = self._safe(name, relpath)
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise PermissionError(f"{relpath!r} in checkpoint {name!r} is "
-                                  f"{_kind(st.st_mode)}, not a regular file")
+        st = os.stat(self._safe(name, relpath))
+        _check_own(st, name, relpath)
         return st.st_size
 
     def read_meta(self, relpath: str) -> bytes | None:
