@@ -320,6 +320,12 @@ def _callback_list(cb: Any) -> Any:
     return None
 
 
+def _ends_the_data(e: BaseException) -> bool:
+    """Whether ``e`` is how a train step says its input ran out (``fit()`` catches it and
+    goes on with the next epoch), not a failure."""
+    return isinstance(e, StopIteration) or type(e).__name__ == "OutOfRangeError"
+
+
 class _FitGuard:
     """One ``fit()``'s calls into its callbacks, its train step and its validation, wrapped:
     a batch hook that ``hidden(name)`` says is passed over reaches no callback, and an
@@ -352,8 +358,9 @@ class _FitGuard:
                 return None
             try:
                 return real(*args, **kwargs)
-            except BaseException:
-                self.fail()
+            except BaseException as e:
+                if not _ends_the_data(e):
+                    self.fail()
                 raise
 
         self._wrapped.append((obj, name, own, real))
