@@ -10,9 +10,12 @@ Keras's own tests (keras/src/callbacks/backup_and_restore_test.py) for pitstop's
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import keras
@@ -279,3 +282,38 @@ def test_a_changed_model_is_refused_before_anything_is_written(tmp_path) -> None
                   callbacks=[BackupAndRestore(backup_dir, save_freq="epoch")])
     after = [np.array(keras.ops.convert_to_numpy(v)) for v in other.variables]
     assert all((a == b).all() for a, b in zip(before, after, strict=True))
+
+
+class HoldThenRaise(keras.callbacks.Callback):
+    """Placed after a BackupAndRestore: holds its writer until this callback raises, at the
+    end of the first epoch, right after the backup of that epoch was taken."""
+
+    def __init__(self, backup: BackupAndRestore) -> None:
+        super().__init__()
+        self.backup, self.release = backup, threading.Event()
+
+    def on_train_begin(self, logs=None):
+        self.backup._mgr.hooks["before_write"] = lambda step: self.release.wait(120)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.release.set()  # the writer goes on from here, as fit() ends by the exception
+        raise RuntimeError("a later callback failed")
+
+
+def test_a_failed_fit_returns_with_its_backups_committed(tmp_path, caplog) -> None:
+    """fit() ending by an exception waits for the backup being written: the user's cleanup
+    right after it (shutil.rmtree of the backup dir) races no writer, and nothing is lost."""
+    backup_dir = tmp_path / "backup"
+    model, (x, y) = make_model(), data()
+    cbk = BackupAndRestore(backup_dir, save_freq="epoch")
+    with caplog.at_level(logging.WARNING, logger="pitstop"), \
+            pytest.raises(RuntimeError, match="a later callback failed"):
+        model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[cbk, HoldThenRaise(cbk)])
+    # the backup of epoch 0 (3 batches) was committed before fit() raised
+    assert sorted(p.name for p in backup_dir.iterdir() if p.name.startswith("step_")) \
+        == ["step_0000000003"]
+    shutil.rmtree(backup_dir)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    # the callback is usable again: a new fit() starts from scratch and completes
+    hist = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[cbk])
+    assert hist.epoch == [0, 1] and not backup_dir.exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import errno
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ...core.errors import CheckpointWriteError, IncompatibleTargetError
+from ...core.errors import CheckpointError, CheckpointWriteError, IncompatibleTargetError
 from ..registry import register_adapter
 from ..rng import RNG
 from . import files
@@ -300,6 +301,86 @@ def _epoch_iterator() -> Any:
     return None
 
 
+#: fit()'s calls into its callbacks that a guard wraps (see _FitGuard)
+_GUARDED_HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+                  "on_train_batch_end", "on_test_begin", "on_test_end",
+                  "on_test_batch_begin", "on_test_batch_end")
+
+
+def _callback_list(cb: Any) -> Any:
+    """The ``CallbackList`` through which ``fit()`` calls ``cb`` (found from the hook that
+    is running), or None where Keras's internals differ."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) \
+                and any(c is cb for c in getattr(owner, "callbacks", ())):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _ends_the_data(e: BaseException) -> bool:
+    """Whether ``e`` is how a train step says its input ran out (``fit()`` catches it and
+    goes on with the next epoch), not a failure."""
+    return isinstance(e, StopIteration) or type(e).__name__ == "OutOfRangeError"
+
+
+class _FitGuard:
+    """One ``fit()``'s calls into its callbacks, its train step and its validation, wrapped:
+    a batch hook that ``hidden(name)`` says is passed over reaches no callback, and an
+    exception from any of them calls ``on_failure`` (once) before it propagates, so that
+    ``fit()`` never ends with a write of its callbacks in flight. :meth:`remove` puts back
+    what it wrapped."""
+
+    def __init__(self, on_failure: Any, hidden: Any) -> None:
+        self._on_failure, self._hidden = on_failure, hidden
+        self._wrapped: list[tuple[Any, str, bool, Any]] = []
+        self._failed = False
+        self.hides = False
+
+    def install(self, callbacks: Any, model: Any) -> None:
+        if callbacks is not None:
+            self.hides = True
+            for name in _GUARDED_HOOKS:
+                self._wrap(callbacks, name, name in ("on_train_batch_begin",
+                                                     "on_train_batch_end"))
+        if getattr(model, "train_function", None) is not None:
+            self._wrap(model, "train_function", False)
+        self._wrap(model, "evaluate", False)
+
+    def _wrap(self, obj: Any, name: str, hideable: bool) -> None:
+        real = getattr(obj, name)
+        own = name in vars(obj)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if hideable and self._hidden(name):
+                return None
+            try:
+                return real(*args, **kwargs)
+            except BaseException as e:
+                if not _ends_the_data(e):
+                    self.fail()
+                raise
+
+        self._wrapped.append((obj, name, own, real))
+        setattr(obj, name, call)
+
+    def fail(self) -> None:
+        if not self._failed:
+            self._failed = True
+            self._on_failure()
+
+    def remove(self) -> None:
+        while self._wrapped:
+            obj, name, own, real = self._wrapped.pop()
+            if own:
+                setattr(obj, name, real)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, name)
+
+
 class BackupAndRestore(_KerasBackupAndRestore):
     """Keras's ``BackupAndRestore`` (same arguments and semantics) that resumes exactly.
 
@@ -308,8 +389,10 @@ class BackupAndRestore(_KerasBackupAndRestore):
     loses nothing) and taken on SIGTERM / SIGINT at the next batch. A ``fit()`` interrupted
     mid-epoch resumes at the next batch with the same shuffle order, dropout masks, metric
     running means, optimizer state and RNG streams as an uninterrupted ``fit()``: the
-    batches already trained are passed over without computing (the callbacks still see
-    them, with the logs of the backup). ``manager_options`` are passed on to the
+    batches already trained are passed over without computing, and no callback sees them
+    (the first batch they see is the first one trained). When ``fit()`` ends by an
+    exception, the backups it asked for are committed before the exception propagates.
+    ``manager_options`` are passed on to the
     :class:`pitstop.CheckpointManager` that keeps the backups.
     """
 
@@ -339,6 +422,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._skip_until = 0
         self._real_train_function: Any = None
         self._metrics_pending: list[Any] | None = None
+        self._guard: _FitGuard | None = None
+        self._pass_left = [0]     # train calls still to pass over in the resumed epoch
+        self._passed = False      # whether the latest train call passed over its batches
 
     # ------------------------------------------------------------------ bookkeeping
     def _progress(self) -> dict[str, Any]:
@@ -377,6 +463,16 @@ class BackupAndRestore(_KerasBackupAndRestore):
                 "To use the BackupAndRestore callback, you model must be built before you call "
                 f"`fit()`. Model {model} is unbuilt. You can build it beforehand by calling it "
                 "on a batch of data.")
+        self._end_fit()  # (an earlier fit() that ended where no hook of ours saw it)
+        self._guard = _FitGuard(self._fit_failed, self._hidden)
+        self._guard.install(_callback_list(self), model)
+        try:
+            self._begin(model)
+        except BaseException:
+            self._end_fit()
+            raise
+
+    def _begin(self, model: Any) -> None:
         self._it = _epoch_iterator()
         self._counting = False
         if self._it is not None and BACKEND == "tensorflow":
@@ -541,7 +637,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         model = self.model
         real = self._real_train_function = model.train_function
         per_call = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
-        left = [batches]
+        left = self._pass_left = [batches]
         pending = [extra]
         logs = _scalars(self._last_logs)
         it = self._it
@@ -574,11 +670,13 @@ class BackupAndRestore(_KerasBackupAndRestore):
                     advance(iterator, n)
                 if left[0] <= 0:
                     finish()
+                    self._passed = False
                     return train()
                 consume(iterator)
             except BaseException:
                 finish()  # the data ran out (the epoch ends): the next epoch trains
                 raise
+            self._passed = True
             left[0] -= per_call
             if left[0] <= 0:
                 finish()
@@ -605,7 +703,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
                         it._steps_seen += len(data)
                 if left[0] <= 0:
                     finish()
+                    self._passed = False
                     return real(data)
+                self._passed = True
                 left[0] -= per_call
                 if left[0] <= 0:
                     finish()
@@ -645,11 +745,42 @@ class BackupAndRestore(_KerasBackupAndRestore):
             if self._global not in mgr.all_steps():
                 mgr.save(self._global, self._state)
 
-    def on_train_end(self, logs: Any = None) -> None:
+    def _hidden(self, hook: str) -> bool:
+        """Whether fit()'s call of ``hook`` is about batches the resume passes over (trained
+        before the interruption): no callback sees those, as none would in a fit() that was
+        never interrupted, so none is shown a model that is not that batch's."""
+        if hook == "on_train_batch_begin":
+            return self._real_train_function is not None and self._pass_left[0] > 0
+        passed, self._passed = self._passed, False
+        return passed
+
+    def _end_fit(self) -> None:
+        """Put back what this fit() changed on the model and its callback list."""
         if self._real_train_function is not None:  # fit ended before the passing over did
             self.model.train_function = self._real_train_function
             self._real_train_function = None
-        self.model._initial_epoch = None
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.remove()
+        self._pass_left, self._passed = [0], False
+        if self.model is not None:
+            self.model._initial_epoch = None
+
+    def _fit_failed(self) -> None:
+        """fit() is ending by an exception (from a callback, its train step or its
+        validation): the backups it asked for are committed before the exception goes on,
+        so what the user does next (retry, delete backup_dir) never races a writer."""
+        self._end_fit()
+        mgr, self._mgr = self._mgr, None
+        if mgr is None:
+            return
+        try:
+            mgr.close()
+        except CheckpointError as e:  # reported, without hiding the exception fit() ends by
+            log.error("pitstop: %s", e)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._end_fit()
         mgr, self._mgr = self._mgr, None
         if mgr is not None:
             mgr.close()
