@@ -121,6 +121,14 @@ def _resolver() -> Callable[[Any], Any]:
     return resolve
 
 
+#: said once by a manager's first ``step()`` when no policy can ever make it save: a loop
+#: that calls ``step()`` every step and trusts it to save must not find out after a crash
+NO_POLICY = ("pitstop: step() of the manager of {directory} saves only on a signal: it was "
+             "given no save_every_steps, save_every_seconds, mtbf_seconds, keep_best or "
+             "save_policy. Pass save_every_steps=N to save every N steps (Orbax saves every "
+             "step by default: save_every_steps=1), or call save(step, state) to save now.")
+
+
 class CheckpointManager:
     """Saves and restores training state in a directory of step checkpoints.
 
@@ -463,6 +471,8 @@ class CheckpointManager:
         clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)  # training goes on from there
+        if self._policy is None:
+            self._warn_once("no-policy", NO_POLICY.format(directory=self.directory))
         if self._coord is not None:
             return self._step_world(engine, step, state, metrics, clean)
         if self._signals.pending is not None:

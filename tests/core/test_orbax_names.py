@@ -92,3 +92,24 @@ def test_on_steps_saves_the_steps_it_names_and_refuses_what_is_not_a_step(tmp_pa
     for bad in (3, [1.5], [-1], [True]):
         with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
             pitstop.OnSteps(bad)
+
+
+def test_a_step_that_can_never_save_says_so_once(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """``keep_last=3`` alone (Orbax's ``max_to_keep=3`` read as if its interval were
+    pitstop's) makes ``step()`` save only on a signal: the first step says so, with the fix,
+    once; a manager with a policy says nothing."""
+    with manager(tmp_path / "a", keep_last=3) as mgr:
+        with pytest.warns(UserWarning, match="saves only on a signal.*save_every_steps=N"):
+            assert mgr.step(0, state(0)) is None
+        with caplog.at_level("WARNING", logger="pitstop"):
+            caplog.clear()
+            for s in range(1, 4):
+                assert mgr.step(s, state(s)) is None
+        assert not [r for r in caplog.records if "saves only on a signal" in r.getMessage()]
+        assert mgr.all_steps() == []
+    with manager(tmp_path / "b", save_every_steps=2) as mgr:
+        with caplog.at_level("WARNING", logger="pitstop"):
+            caplog.clear()
+            mgr.step(0, state(0))
+        assert not [r for r in caplog.records if "saves only on a signal" in r.getMessage()]

@@ -85,8 +85,9 @@ def test_max_to_keep_and_save_interval_keep_the_same_steps(tmp_path: Path,
 
 def test_a_manager_without_save_every_saves_nothing_on_step(tmp_path: Path) -> None:
     """The row's warning: ``keep_last=3`` alone is not Orbax's ``max_to_keep=3``: pitstop has
-    no save interval by default, so ``step()`` saves only on a signal."""
-    ours = pitstop_loop(tmp_path / "p", range(4), keep_last=3)
+    no save interval by default, so ``step()`` saves only on a signal, and says so once."""
+    with pytest.warns(UserWarning, match="saves only on a signal"):
+        ours = pitstop_loop(tmp_path / "p", range(4), keep_last=3)
     assert ours["kept"] == [] and ours["should_save"] == [False] * 4
 
 
