@@ -88,10 +88,11 @@ def _refuse_url(filepath: Any) -> None:
 
 
 class ModelCheckpoint(_KerasModelCheckpoint):
-    """Keras's ``ModelCheckpoint`` (same arguments, files and decisions) whose saves cost
-    ``fit()`` an in-memory copy of the weights only.
+    """Keras's ``ModelCheckpoint`` (same arguments, files and decisions), written atomically.
 
-    The file is written in the background; it appears atomically (never half-written, even
+    By default the file is whole when the callback returns (a callback after it can load
+    it), as with Keras's; ``write_in_background=True`` makes a save cost ``fit()`` an
+    in-memory copy only, the file written in a background thread. It appears atomically (never half-written, even
     after SIGKILL) with ``<file>.pitstop`` beside it (size, hash, epoch, batch, logs: see
     :func:`pitstop.adapters.keras.verify_file`). ``keep_last`` keeps only the newest N files this
     callback wrote. With ``save_best_only`` and a batch ``save_freq``, a ``val_`` metric
