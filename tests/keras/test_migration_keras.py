@@ -128,8 +128,6 @@ class LoadsTheFile(keras.callbacks.Callback):
 
 
 @on_backends("torch")
-@pytest.mark.xfail(strict=True, reason="issue 26 item 10: pitstop's ModelCheckpoint writes in "
-                   "the background, so a callback placed after it does not find the file")
 def test_a_callback_after_model_checkpoint_finds_the_file_keras_wrote(tmp_path: Path) -> None:
     found = {}
     for kind, (Checkpoint, _) in PEERS.items():

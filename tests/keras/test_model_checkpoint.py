@@ -98,7 +98,7 @@ def test_fit_goes_on_while_the_file_is_written(tmp_path, monkeypatch) -> None:
     model, (x, y) = make_model(), data()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
         ModelCheckpoint(str(tmp_path / "b{batch}.weights.h5"), save_freq=1,
-                        save_weights_only=True), Watch()])
+                        save_weights_only=True, write_in_background=True), Watch()])
     # fit() returned: every file is there, complete
     assert sorted(p.name for p in tmp_path.glob("*.h5")) == [f"b{i}.weights.h5" for i in range(1, 6)]
     for p in tmp_path.glob("*.h5"):
@@ -236,3 +236,85 @@ def test_sigkill_while_writing_leaves_whole_files_only(tmp_path) -> None:
     cb.set_model(make_model())
     cb.on_train_begin()
     assert not list(tmp_path.glob(".*pitstop-tmp*"))
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("m-{epoch:02d}.keras", {}),
+    ("w-{epoch:02d}.weights.h5", {"save_weights_only": True}),
+    ("best.keras", {"save_best_only": True, "monitor": "loss"}),
+    ("b-{epoch}-{batch}.weights.h5", {"save_weights_only": True, "save_freq": 2}),
+], ids=["keras-epoch", "weights-epoch", "best-only", "batch-freq"])
+def test_a_callback_after_it_loads_the_file_as_after_keras_own(tmp_path, name, kwargs) -> None:
+    """The differential: a callback placed after the checkpoint callback loads the file
+    it just wrote, in on_epoch_end and on_train_batch_end, through Keras's ModelCheckpoint
+    and through pitstop's (the default: the file is whole when the callback returns)."""
+    def run(make_cb, folder):
+        loaded = []
+
+        class Loader(keras.callbacks.Callback):
+            def _load(self, epoch, batch):
+                path = folder / name.format(epoch=epoch + 1, batch=batch + 1)
+                if not path.exists():
+                    return
+                if str(path).endswith(".weights.h5"):
+                    other = make_model(7)
+                    other.load_weights(path)
+                else:
+                    other = keras.models.load_model(path)
+                loaded.append((path.name, [a.tobytes() for a in weights_of(other)]))
+
+            def on_epoch_end(self, epoch, logs=None):
+                if kwargs.get("save_freq") is None:
+                    self._load(epoch, -1)
+
+            def on_train_batch_end(self, batch, logs=None):
+                if kwargs.get("save_freq") and (batch + 1) % 2 == 0:
+                    self._load(self.model._pitstop_epoch, batch)
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.model._pitstop_epoch = epoch
+
+        folder.mkdir()
+        model, (x, y) = make_model(), data()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                  callbacks=[make_cb(str(folder / name)), Loader()])
+        return loaded
+
+    theirs = run(lambda p: keras.callbacks.ModelCheckpoint(p, **kwargs), tmp_path / "k")
+    ours = run(lambda p: ModelCheckpoint(p, **kwargs), tmp_path / "p")
+    assert theirs and ours == theirs
+
+
+def test_a_url_filepath_is_refused_when_built(tmp_path, monkeypatch) -> None:
+    """s3://, gs://, memory:// were written to a local folder named 's3:'; now refused at
+    construction with the fix, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("s3://bucket/ckpt/m-{epoch}.keras", "gs://b/w.weights.h5",
+                "memory://run/m.keras"):
+        with pytest.raises(pitstop.InvalidArgumentError, match="local files only"):
+            ModelCheckpoint(url, save_weights_only=url.endswith(".weights.h5"))
+    assert not os.listdir(tmp_path)
+
+
+def test_bad_manager_options_are_refused_when_built(tmp_path) -> None:
+    from pitstop.adapters.keras import BackupAndRestore
+
+    for options, message in [
+        ({"kep_last": 3}, "no such option .*did you mean 'keep_last'"),
+        ({"keep_last": "3"}, r"'keep_last'\] must be int or None, got str"),
+        ({"keep_last": True}, "must be int or None, got bool"),
+        ({"save_every_seconds": "60"}, "must be float or None"),
+        ({"on_save": 3}, "'on_save'"),
+        ({"directory": "elsewhere"}, "set by BackupAndRestore itself.*backup_dir"),
+        ({"read_only": True}, "set by BackupAndRestore itself"),
+        ({"on_busy": "skip"}, "set by BackupAndRestore itself"),
+        ({"keep_last": 1}, "fewer backups than double_checkpoint=True"),
+        (["keep_last"], "must be a dict"),
+    ]:
+        with pytest.raises(pitstop.InvalidArgumentError, match=message):
+            BackupAndRestore(tmp_path / "b", double_checkpoint=True, manager_options=options)
+    cb = BackupAndRestore(tmp_path / "b", manager_options={
+        "keep_last": 3, "memory_tier": False, "save_every_seconds": 60, "on_save": print,
+        "save_on_signals": "SIGTERM", "compression": "zstd"})
+    assert cb.manager_options["keep_last"] == 3
+    assert not (tmp_path / "b").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import collections.abc
 import concurrent.futures
 import contextlib
 import errno
@@ -72,11 +73,27 @@ def _scalars(logs: Any) -> dict[str, float]:
     return out
 
 
-class ModelCheckpoint(_KerasModelCheckpoint):
-    """Keras's ``ModelCheckpoint`` (same arguments, files and decisions) whose saves cost
-    ``fit()`` an in-memory copy of the weights only.
+def _refuse_url(filepath: Any) -> None:
+    """A URL (s3://, gs://, memory://) is refused here, at construction: it would otherwise
+    be taken for a local folder named ``s3:``."""
+    from ...core.errors import InvalidArgumentError
+    from ...core.storage import is_url
 
-    The file is written in the background; it appears atomically (never half-written, even
+    text = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+    if isinstance(text, str) and is_url(text):
+        raise InvalidArgumentError(
+            f"ModelCheckpoint({text!r}): pitstop's ModelCheckpoint writes local files only; "
+            "give it a local path (and copy the files to the store), or keep backups in the "
+            f"store with BackupAndRestore({text.rsplit('/', 1)[0]!r}) / "
+            "pitstop.CheckpointManager, which take s3:// and other fsspec URLs")
+
+
+class ModelCheckpoint(_KerasModelCheckpoint):
+    """Keras's ``ModelCheckpoint`` (same arguments, files and decisions), written atomically.
+
+    By default the file is whole when the callback returns (a callback after it can load
+    it), as with Keras's; ``write_in_background=True`` makes a save cost ``fit()`` an
+    in-memory copy only, the file written in a background thread. It appears atomically (never half-written, even
     after SIGKILL) with ``<file>.pitstop`` beside it (size, hash, epoch, batch, logs: see
     :func:`pitstop.adapters.keras.verify_file`). ``keep_last`` keeps only the newest N files this
     callback wrote. With ``save_best_only`` and a batch ``save_freq``, a ``val_`` metric
@@ -91,7 +108,8 @@ class ModelCheckpoint(_KerasModelCheckpoint):
                  save_best_only: bool = False, save_weights_only: bool = False,
                  mode: str = "auto", save_freq: str | int = "epoch",
                  initial_value_threshold: float | None = None, *,
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, write_in_background: bool = False) -> None:
+        _refuse_url(filepath)
         super().__init__(filepath, monitor=monitor, verbose=verbose,
                          save_best_only=save_best_only, save_weights_only=save_weights_only,
                          mode=mode, save_freq=save_freq,
@@ -100,6 +118,13 @@ class ModelCheckpoint(_KerasModelCheckpoint):
                                       or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an integer >= 1, got {keep_last!r}")
         self.keep_last = keep_last
+        if not isinstance(write_in_background, bool):
+            raise ValueError("write_in_background must be True or False, got "
+                             f"{write_in_background!r}")
+        #: False (the default, as Keras's callback): the file is complete when the callback
+        #: returns, so a callback after it can load it; True: fit() waits for an in-memory
+        #: copy only and the file appears once written in the background
+        self.write_in_background = write_in_background
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: collections.deque[tuple[str, concurrent.futures.Future[None]]] = (
             collections.deque())
@@ -165,7 +190,7 @@ class ModelCheckpoint(_KerasModelCheckpoint):
                 "best": None if self.best is None else float(self.best)}
         self._submit(snap, filepath, info)
         if self.verbose > 0:
-            # Keras's message, where Keras prints it (logs read the same); here it marks the
+            # Keras's message, where Keras prints it; with write_in_background it marks the
             # snapshot: the file appears, whole, once written in the background
             _print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
 
@@ -177,7 +202,8 @@ class ModelCheckpoint(_KerasModelCheckpoint):
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="pitstop-keras-checkpoint")
             atexit.register(_report_at_exit, weakref.ref(self))
-        if snap.model is not None:
+        if snap.model is not None or not self.write_in_background:
+            # the drop-in default: the file is whole before the next callback runs; and
             # Keras saves the file itself (legacy .h5, or internals this pitstop does not
             # know): it reads the live model, so it runs here, before training goes on
             self._finish_all()
@@ -381,6 +407,97 @@ class _FitGuard:
                     delattr(obj, name)
 
 
+#: options BackupAndRestore sets itself: what to pass instead
+_OWN_OPTIONS = {
+    "directory": "it is the backup_dir argument",
+    "read_only": "backups are written; open the folder with pitstop.CheckpointManager("
+                 "backup_dir, read_only=True) to read them",
+    "on_busy": "BackupAndRestore saves whenever save_freq asks, as Keras's does (on_busy="
+               "'wait'); drop the option",
+}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits the annotation ``hint`` (plain types, unions, containers'
+    outer types; a bool is no int here); an annotation it cannot judge passes."""
+    import collections.abc as abc
+    import typing
+
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    target = origin or hint
+    if target is abc.Callable:
+        return callable(value)
+    if not isinstance(target, type) or getattr(target, "_is_protocol", False):
+        return True
+    if target in (int, float) and isinstance(value, bool):
+        return False
+    if target is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, target)
+
+
+def _check_manager_options(options: Any, double_checkpoint: bool) -> dict[str, Any]:
+    """``manager_options`` checked when the callback is built: known names of
+    :class:`pitstop.CheckpointManager`, values of the types it takes, none that the callback
+    sets itself. A bad one raises InvalidArgumentError naming it and what to do."""
+    import difflib
+    import inspect
+    import typing
+
+    from ...core.errors import InvalidArgumentError
+    from ...core.manager import CheckpointManager
+
+    if options is None:
+        return {}
+    if not isinstance(options, collections.abc.Mapping):
+        raise InvalidArgumentError(
+            f"manager_options must be a dict of pitstop.CheckpointManager arguments, e.g. "
+            f"{{'memory_tier': False}}; got a {type(options).__name__}")
+    params = inspect.signature(CheckpointManager.__init__).parameters
+    hints = typing.get_type_hints(CheckpointManager.__init__)
+    known = [n for n in params if n not in ("self", "directory")]
+    for name, value in options.items():
+        if name in _OWN_OPTIONS:
+            raise InvalidArgumentError(
+                f"manager_options[{name!r}] is set by BackupAndRestore itself: "
+                f"{_OWN_OPTIONS[name]}")
+        if name not in params:
+            near = difflib.get_close_matches(str(name), known, n=1)
+            raise InvalidArgumentError(
+                f"manager_options[{name!r}]: pitstop.CheckpointManager has no such option"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; it takes {', '.join(known)}")
+        hint = hints.get(name, Any)
+        if not _type_ok(value, hint):
+            raise InvalidArgumentError(
+                f"manager_options[{name!r}] must be {_hint_text(hint)}, got "
+                f"{type(value).__name__} {value!r}")
+    keep = options.get("keep_last")
+    if keep is not None and keep < (2 if double_checkpoint else 1):
+        raise InvalidArgumentError(
+            f"manager_options['keep_last']={keep!r} would keep fewer backups than "
+            f"double_checkpoint={double_checkpoint} needs; pass keep_last >= "
+            f"{2 if double_checkpoint else 1} or drop it")
+    return dict(options)
+
+
+def _hint_text(hint: Any) -> str:
+    import typing
+
+    args = typing.get_args(hint)
+    if args and typing.get_origin(hint) not in (None,) and all(
+            isinstance(a, type) or a is type(None) for a in args) \
+            and typing.get_origin(hint) is not collections.abc.Iterable:
+        return " or ".join("None" if a is type(None) else a.__name__ for a in args)
+    return getattr(hint, "__name__", None) or str(hint).replace("collections.abc.", "")
+
+
 class BackupAndRestore(_KerasBackupAndRestore):
     """Keras's ``BackupAndRestore`` (same arguments and semantics) that resumes exactly.
 
@@ -404,7 +521,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self.backup_dir = os.fspath(backup_dir)
         #: more keyword arguments for the pitstop.CheckpointManager that keeps the backups
         #: (memory_tier=, save_on_signals=, compression=, ...)
-        self.manager_options = dict(manager_options or {})
+        self.manager_options = _check_manager_options(manager_options, double_checkpoint)
         self._mgr: Any = None
         self._state = _FitState(self)
         self._global = 0          # batches trained since the run began: the checkpoint step
