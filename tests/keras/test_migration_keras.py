@@ -1,8 +1,7 @@
 """docs/migration.md, "From Keras's ModelCheckpoint and BackupAndRestore": every row, the same
 fit through Keras's callback and through pitstop's side by side in this process, on the
 backend of this process (KERAS_BACKEND): the same files with the same weights, the same
-weights after an interrupted fit is run again. Rows that issue 26 found wrong today are
-strict xfails naming their item. (Every argument of ModelCheckpoint, file by file:
+weights after an interrupted fit is run again. (Every argument of ModelCheckpoint, file by file:
 tests/keras/test_checkpoint_vs_keras.py.)"""
 
 from __future__ import annotations
