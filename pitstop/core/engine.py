@@ -252,6 +252,8 @@ class PersistJob:
     #: the manifest's writer["frameworks"] (empty: not known; a recovered snapshot's are
     #: those its memory-tier description recorded)
     frameworks: dict[str, str] = field(default_factory=dict)
+    #: the manifest's ``layouts`` (array key -> the framework's layout of it)
+    layouts: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -1052,7 +1054,7 @@ class Engine:
             all_finite=True if job.check_finite else None, user_metadata=job.user_metadata,
             writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid(),
                     **({"frameworks": job.frameworks} if job.frameworks else {})},
-            values=values,
+            values=values, layouts=job.layouts,
         )
 
     def _fused(self, job: PersistJob) -> bool:
