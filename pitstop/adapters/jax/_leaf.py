@@ -110,7 +110,8 @@ def _layout(sharding: Any) -> dict[str, Any] | None:
     layout: dict[str, Any] = {
         "kind": "NamedSharding", "mesh_shape": [int(n) for n in mesh.devices.shape],
         "axis_names": [str(a) for a in mesh.axis_names], "spec": spec,
-        "devices": [int(d.id) for d in mesh.devices.flat]}
+        "devices": [int(d.id) for d in mesh.devices.flat],
+        "job_devices": jax.device_count()}
     types = getattr(mesh, "axis_types", None)
     if types:
         layout["axis_types"] = [getattr(t, "name", str(t)) for t in types]
@@ -130,8 +131,9 @@ def describe(layout: dict[str, Any]) -> str:
 
 def sharding_from(layout: Any) -> tuple[Any, str | None]:
     """``(sharding, None)``: the recorded layout rebuilt on this job's devices (the recorded
-    devices when this job has them all, else all of this job's devices when there are as
-    many, in ``jax.devices()`` order); ``(None, why)`` when this job cannot hold it;
+    devices when this job has as many devices as the saving job and those among them, else
+    all of this job's devices when the mesh had as many, in ``jax.devices()`` order);
+    ``(None, why)`` when this job cannot hold it;
     ``(None, None)`` when nothing usable was recorded."""
     if not isinstance(layout, dict) or layout.get("kind") != "NamedSharding":
         return None, None
@@ -153,13 +155,14 @@ def _sharding(layout: dict[str, Any]) -> tuple[Any, str | None]:
         names = tuple(str(a) for a in layout["axis_names"])
         spec = [p if p is None or isinstance(p, str) else tuple(p) for p in layout["spec"]]
         ids = [int(i) for i in layout.get("devices", [])]
+        job = int(layout.get("job_devices", -1))
     except (KeyError, TypeError, ValueError):
         return None, None  # a record this version cannot read: as if none
     n = math.prod(shape)
     devices = jax.devices()
     by_id = {d.id: d for d in devices}
-    if len(ids) == n and all(i in by_id for i in ids):
-        chosen = [by_id[i] for i in ids]
+    if len(ids) == n and job == len(devices) and all(i in by_id for i in ids):
+        chosen = [by_id[i] for i in ids]  # a job like the saving one: the same devices
     elif len(devices) == n:
         chosen = list(devices)
     else:
