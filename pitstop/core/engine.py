@@ -259,6 +259,8 @@ class PersistJob:
     #: the other ranks of the commit: their ``wait()`` then lists the directory as retention
     #: left it, as the leader's does
     bookkept: bool = False
+    #: the manifest's ``layouts`` (array key -> the framework's layout of it)
+    layouts: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -1093,7 +1095,7 @@ class Engine:
             all_finite=True if job.check_finite else None, user_metadata=job.user_metadata,
             writer={"pitstop": _version(), "host": socket.gethostname(), "pid": os.getpid(),
                     **({"frameworks": job.frameworks} if job.frameworks else {})},
-            values=values,
+            values=values, layouts=job.layouts,
         )
 
     def _fused(self, job: PersistJob) -> bool:

@@ -1008,7 +1008,7 @@ class CheckpointManager:
                          check_finite=self.nonfinite_guard, nonfinite_metrics=nonfinite,
                          global_shapes={k: list(flat.arrays[k].shape) for k in flat.sharded}
                          if self._coord is not None else {},
-                         frameworks=self._frameworks_of(flat))
+                         frameworks=self._frameworks_of(flat), layouts=flat.layouts())
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
         if len(self.stats) > 1000:

@@ -202,6 +202,9 @@ class Manifest:
     #: an incremental checkpoint: the older checkpoints its ``ref`` entries read, each with
     #: the lengths of its data files they read (empty: every byte is this checkpoint's own)
     refs: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: array key -> how the framework laid it out over devices (see ``ArrayLeaf.layout``):
+    #: optional, informational, read by the adapter that made it (absent: none recorded)
+    layouts: dict[str, Any] = field(default_factory=dict)
 
     def to_bytes(self, sealer: Any = None) -> bytes:
         """The manifest's bytes, sealed: with a plain hash, or (encrypted, ``sealer``: the
@@ -232,6 +235,8 @@ class Manifest:
         # the arrays section is written by _arrays_json (the same text json.dumps makes,
         # without a dict per entry first); what follows it, as the document orders it
         rest: dict[str, Any] = {"values": self.values, "structure": self.structure}
+        if self.layouts:
+            rest["layouts"] = self.layouts
         if self.world > 1:
             rest["world"] = {"size": self.world,
                              "ranks": [{}] + [r.to_json() for r in self.ranks]}
@@ -280,7 +285,7 @@ class Manifest:
             directory_id=self.directory_id, created_unix=self.created_unix,
             all_finite=self.all_finite, writer=self.writer, user_metadata=self.user_metadata,
             format_version=self.format_version, world=self.world, encryption=self.encryption,
-            refs=self.refs)
+            refs=self.refs, layouts=self.layouts)
 
     def rank_specific(self) -> list[str]:
         """Keys whose saved value differs between ranks (per-rank state: RNG streams, a
@@ -814,7 +819,17 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
         writer=dict(_object(doc.get("writer") or {}, "writer")),
         user_metadata=_decoded_object(doc.get("user_metadata"), "user_metadata", where),
         format_version=str(doc["format_version"]), world=world, ranks=ranks, refs=refs,
+        layouts=_layouts(doc.get("layouts"), arrays),
     )
+
+
+def _layouts(v: Any, arrays: Container[str]) -> dict[str, Any]:
+    """The optional ``layouts`` section: objects keyed by array keys (informational: an
+    entry for a key the checkpoint holds no array under is dropped, not an error)."""
+    if v is None:
+        return {}
+    return {k: e for k, e in _object(v, "layouts").items()
+            if k in arrays and isinstance(e, dict)}
 
 
 #: what a referenced checkpoint's name may be (a single directory entry, never one of

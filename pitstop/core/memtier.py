@@ -242,6 +242,8 @@ class MemoryTier:
             "created_unix": job.created_unix,
             # (the manifest's writer["frameworks"] when a restart persists this snapshot)
             "frameworks": getattr(job, "frameworks", None) or {},
+            # (the manifest's layouts: a recovered sharded array is placed as it was saved)
+            "layouts": getattr(job, "layouts", None) or {},
         }
         text = json.dumps(head, separators=(",", ":"))
         path = self.meta_path(buf)

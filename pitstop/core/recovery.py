@@ -95,7 +95,8 @@ def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
                          metrics=metrics, handle=handle,
                          user_metadata=user_metadata, hashes=hashes,
                          check_finite=bool(meta.get("check_finite")),
-                         created_unix=_created(meta), frameworks=_frameworks(meta))
+                         created_unix=_created(meta), frameworks=_frameworks(meta),
+                         layouts=_layouts(meta))
         job.release_buffer = False  # restore() may still read it; released by the manager
         engine.submit(job)
         recovered.append(Recovered(buf, reader, step, handle))
@@ -119,6 +120,14 @@ def _frameworks(meta: dict[str, Any]) -> dict[str, str]:
     return {}
 
 
+def _layouts(meta: dict[str, Any]) -> dict[str, Any]:
+    """The layouts the snapshot's save recorded (none from an older pitstop)."""
+    layouts = meta.get("layouts")
+    if isinstance(layouts, dict):
+        return {k: v for k, v in layouts.items() if isinstance(k, str) and isinstance(v, dict)}
+    return {}
+
+
 def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str,
                    metrics: Any, user_metadata: Any) -> bytes:
     """A manifest describing a memory-tier buffer, so the normal reader can verify it."""
@@ -133,6 +142,7 @@ def _tier_manifest(meta: dict[str, Any], hashes: dict[str, str], algorithm: str,
                                  length=int(n), hash=hashes[k])
     if any(SHARD_MARK in k for k in m.arrays):
         m.arrays = group_pieces(m.arrays)
+    m.layouts = {k: v for k, v in _layouts(meta).items() if k in m.arrays}
     return m.to_bytes()
 
 

@@ -60,6 +60,8 @@ class RestoreReport:
     mismatched_keys: list[str] = field(default_factory=list)
     #: mismatched key -> what differs (for the error message)
     details: dict[str, str] = field(default_factory=dict)
+    #: what would allow a mismatch (an option an array leaf named), once each
+    hints: list[str] = field(default_factory=list)
     #: array entries of the target that the restore wrote
     written: list[str] = field(default_factory=list)
 
@@ -220,6 +222,8 @@ class RestorePlan:
                 dtype = decode_dtype(descr)
                 if type(descr) is str:
                     dtypes[descr] = dtype
+            accept = leaf.accept_saved
+            hint = None if accept is None else accept(dtype, m.layouts.get(key))
             if (key in flat.scalars and dtype != leaf.dtype and dtype.kind == leaf.dtype.kind
                     and dtype.kind in "US" and not e.shape):
                 self.resized.add(key)  # np.str_ / np.bytes_ of another length: replaced anyway
@@ -229,6 +233,8 @@ class RestorePlan:
                 else:
                     self._mismatch(key, f"checkpoint {dtype}{list(e.shape)}, "
                                         f"target {leaf.dtype}{list(leaf.shape)}")
+                    if hint and hint not in r.hints:
+                        r.hints.append(hint)
         for key in flat.values:
             if in_replaced(key) or key in self.rebuilt or key in self.bad:
                 continue
@@ -975,6 +981,7 @@ def describe_mismatch(where: str, r: RestoreReport, target: _Keys, ck: _Keys) ->
                      + _summarize(r.unexpected_keys, ck, target, r.details))
     if r.mismatched_keys:
         lines.append("  mismatched: " + _summarize(r.mismatched_keys, target, None, r.details))
+    lines.extend(f"  {h[0].upper()}{h[1:]}." for h in r.hints)
     lines.append("Pass strict=False to restore what matches, or restore into the state that "
                  "was saved.")
     return "\n".join(lines)

@@ -139,6 +139,17 @@ class ArrayLeaf:
     #: True when restoring only keeps the new value for the adapter's ``apply`` (an
     #: immutable array): nothing live changes before the apply phase
     deferred = False
+    #: Optional, JSON-able: how the framework laid the array out over its devices (a JAX
+    #: ``NamedSharding``: mesh shape, axis names, partition spec), recorded in the manifest's
+    #: ``layouts`` and handed back to :attr:`accept_saved` by a restore; opaque to core
+    layout: Any = None
+    #: Optional: ``accept_saved(dtype, layout) -> hint``, called by a restore before it
+    #: compares the leaf with the checkpoint's entry, with the saved dtype and layout (None
+    #: when none was recorded). The leaf may take the saved layout where its target left the
+    #: placement open, and the saved dtype where its owner opted into a conversion (it then
+    #: reports the saved dtype and converts after reading). Returns a hint the refusal of a
+    #: remaining difference adds (the option that would allow it), or None.
+    accept_saved: Callable[[np.dtype, Any], str | None] | None = None
 
 
 class NumpyLeaf(ArrayLeaf):
@@ -273,6 +284,13 @@ class FlatState:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
+
+    def layouts(self) -> dict[str, Any]:
+        """The layouts array leaves record (the manifest's ``layouts``); empty when the
+        state holds no leaf of a framework that records one."""
+        if not any(getattr(a, "records_layout", False) for a in self.used):
+            return {}
+        return {k: a.layout for k, a in self.arrays.items() if a.layout is not None}
 
 
 # --------------------------------------------------------------------------- values

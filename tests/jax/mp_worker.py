@@ -406,7 +406,18 @@ def _restore(mgr: Any, ctx: Ctx, saved_world: int) -> dict[str, Any]:
         abstract_key_load = compare(full["gkey"], want["gkey"], keep["gkey"])
     except Exception as e:  # noqa: BLE001 - reported to the test, which knows the cause
         abstract_key_load = [f"{type(e).__name__}: {e}"]
+    # ShapeDtypeStructs without a sharding (jax.eval_shape's): placed as the save recorded
+    bare = {k: jax.ShapeDtypeStruct(keep[k].shape, keep[k].dtype)
+            for k in ("w", "across", "within")}
+    try:
+        got = mgr.load(target={**jax.tree.map(abstract, keep), "gkey": keep["gkey"], **bare})
+        as_saved: Any = {
+            k: [str(tuple(got[k].sharding.spec)), dict(got[k].sharding.mesh.shape),
+                compare(got[k], want[k], got[k])] for k in bare}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        as_saved = f"{type(e).__name__}: {e}"
     return {"step": None if restored is None else int(restored),
+            "as_saved": as_saved,
             "problems": compare(target, want, keep),
             "load_problems": compare(loaded, want, keep),
             "abstract_key_load": abstract_key_load,

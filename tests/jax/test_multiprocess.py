@@ -257,6 +257,18 @@ def test_restore_on_the_same_two_processes_into_another_sharding(saved: Any) -> 
         assert restore["warnings"] == []  # same number of processes: nothing to say
 
 
+#: what an eval_shape target (no sharding) of each global array gets on the job of 2
+#: processes x 2 devices that saved it: the saved layout
+AS_SAVED = {"w": ["('x',)", {"x": 4}, []], "across": ["('p',)", {"p": 2, "l": 2}, []],
+            "within": ["(None, 'l')", {"p": 2, "l": 2}, []]}
+
+
+def test_restore_on_the_same_two_processes_into_the_saved_shardings(saved: Any) -> None:
+    _directory, results = saved
+    for r in results:
+        assert r["restore"]["as_saved"] == AS_SAVED
+
+
 def test_load_into_an_abstract_typed_key_that_spans_processes(saved: Any) -> None:
     _directory, results = saved
     for r in results:
@@ -273,6 +285,14 @@ def test_restore_on_another_number_of_processes(saved: Any, processes: int, devi
         assert r["step"] == 4
         assert r["problems"] == [], rank  # global arrays resharded; rank r got rank r % 2's
         assert r["load_problems"] == [], rank
+        # a job of 8 devices cannot hold the saved meshes of 4: refused on every rank (the
+        # rank that found it says why, the others that it failed there)
+        assert r["as_saved"].startswith(("IncompatibleTargetError", "CoordinationError"))
+    refusals = [r["as_saved"] for r in results if "IncompatibleTargetError" in r["as_saved"]]
+    assert refusals and all(
+        "'w'" in t and "its mesh has 4 devices and this job has 8" in t
+        and "sharding=NamedSharding(mesh, P(...))" in t for t in refusals)
+    for rank, r in enumerate(results):
         if processes == 1:  # (a one-process target sharding: the key data is moved there)
             assert r["abstract_key_load"] == []
         said = " ".join(r["warnings"])

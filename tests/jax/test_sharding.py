@@ -201,8 +201,13 @@ def test_sigkill_after_a_sharded_snapshot_restores_it_from_memory(tmp_path):
         live = {"w": jax.device_put(jnp.zeros((16, 24)), sharding("cols8"))}
         assert mgr.restore(live) == 2
         assert same(live["w"], jnp.arange(16 * 24, dtype=jnp.float32).reshape(16, 24) * 2)
+        # a target without a sharding: placed as saved, from memory and once persisted
+        bare = {"w": jax.ShapeDtypeStruct((16, 24), jnp.float32)}
+        assert mgr.load(2, target=bare)["w"].sharding.spec == P("x", "y")
         mgr.wait()
         assert mgr.metadata(2).arrays["w"].shards is not None  # persisted shard by shard
+        assert mgr.metadata(2).layouts["w"]["spec"] == ["x", "y"]
+        assert mgr.load(2, target=bare)["w"].sharding.spec == P("x", "y")
     finally:
         mgr.close()
 

@@ -4,6 +4,8 @@
 >>> start = mgr.restore(state)       # replaces the pytrees inside ``state`` (JAX arrays are
 ...                                  # immutable); None on a fresh run
 >>> new = mgr.load(target=abstract)  # a new pytree, arrays placed as ``abstract`` says
+...                                  # (or as saved, where it gives no sharding)
+>>> arrays = load_arrays(mgr)        # jax.Arrays with the saved shardings (mgr.load(): numpy)
 
 Saved: ``jax.Array`` of every dtype numpy or ml_dtypes holds (sharded arrays shard by shard,
 each distinct shard once), raw ``uint32`` and typed PRNG keys (every implementation), any
@@ -20,7 +22,8 @@ from typing import Any
 
 from ..registry import register_adapter
 from ._adapter import JaxAdapter, is_typed_key
-from ._leaf import JaxArrayLeaf
+from ._leaf import JaxArrayLeaf, allow_dtype_cast
+from ._saved import abstract_state, load_arrays
 
 # after the adapters of specific frameworks (a Keras variable on the JAX backend is Keras's):
 # this one also takes any registered pytree node
@@ -41,4 +44,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["JaxAdapter", "JaxArrayLeaf", "is_typed_key", "import_orbax", "export_orbax",
-           "JaxCoordinator"]
+           "JaxCoordinator", "allow_dtype_cast", "abstract_state", "load_arrays"]

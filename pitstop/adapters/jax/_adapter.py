@@ -98,6 +98,8 @@ class JaxAdapter:
     """See the module docstring."""
 
     rebuilds = True
+    #: its array leaves record their ``NamedSharding`` in the manifest's ``layouts``
+    records_layout = True
 
     def can_handle(self, obj: Any) -> bool:
         if isinstance(obj, jax.Array | jax.ShapeDtypeStruct):

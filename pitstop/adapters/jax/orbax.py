@@ -542,10 +542,21 @@ def _is_saved_key(obj: Any) -> bool:
             and obj[KEY_DATA].dtype == np.uint32)
 
 
-def _to_orbax(obj: Any, path: str = "") -> Any:
+#: why a tuple of a JAX state is refused by an export without ``target=``
+_TUPLE_REFUSAL = (
+    "state entry {where!r}: a tuple in a state JAX saved, stored by pitstop by position. It "
+    "may be a namedtuple (an Optax state), whose fields Orbax keys by name: written as a "
+    "list, Orbax's StandardRestore into your abstract state would later fail with "
+    "'Structure mismatch'. Pass target= (the live state, or jax.eval_shape of it) to write "
+    "it as Orbax writes that state; or tuples_as_lists=True if every tuple here is a plain "
+    "one (Orbax gives those back as lists)")
+
+
+def _to_orbax(obj: Any, path: str = "", tuples: bool = True) -> Any:
     """A pitstop tree as ``StandardSave`` stores it: arrays, Python int/float/bool, None and
     containers; dict keys as strings; typed PRNG keys (as the JAX adapter saves them) as
-    typed keys. Anything else is refused naming its key."""
+    typed keys. Anything else is refused naming its key, and so is a tuple unless
+    ``tuples`` (it may have been a namedtuple, see :data:`_TUPLE_REFUSAL`)."""
     where = path or "<root>"
     if isinstance(obj, np.generic):
         obj = np.asarray(obj)
@@ -559,6 +570,11 @@ def _to_orbax(obj: Any, path: str = "") -> Any:
                 f"state entry {where!r}: Orbax cannot store arrays of dtype {obj.dtype} "
                 "(its TensorStore has no such type); export another entry with key=, or "
                 "convert it first")
+        if obj.size == 0 and obj.ndim > 0:
+            raise UnsupportedStateError(
+                f"state entry {where!r}: an empty array (shape {list(obj.shape)}), which "
+                "Orbax's StandardSave refuses to store (zero size); export the part of the "
+                "state without it (key=...), or drop it first")
         return obj
     if obj is None or isinstance(obj, (bool, float)):
         return obj
@@ -589,12 +605,14 @@ def _to_orbax(obj: Any, path: str = "") -> Any:
                 raise UnsupportedStateError(
                     f"state entry {where!r}: keys {text!r} and {k!r} would both be {text!r} in "
                     "Orbax, which stores every key as a string")
-            out[text] = _to_orbax(v, join(path, k))
+            out[text] = _to_orbax(v, join(path, k), tuples)
         return out
     if isinstance(obj, list):
-        return [_to_orbax(v, join(path, i)) for i, v in enumerate(obj)]
+        return [_to_orbax(v, join(path, i), tuples) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(_to_orbax(v, join(path, i)) for i, v in enumerate(obj))
+        if not tuples:
+            raise UnsupportedStateError(_TUPLE_REFUSAL.format(where=where))
+        return tuple(_to_orbax(v, join(path, i), tuples) for i, v in enumerate(obj))
     if isinstance(obj, (str, bytes)):
         raise UnsupportedStateError(
             f"state entry {where!r}: Orbax's StandardSave cannot store a {type(obj).__name__} "
@@ -603,8 +621,20 @@ def _to_orbax(obj: Any, path: str = "") -> Any:
         f"state entry {where!r}: a {type(obj).__name__} cannot be exported to Orbax")
 
 
+def _jax_saved(pitstop_dir: PathLike, step: int) -> bool:
+    """Whether JAX's adapter captured (part of) the state of ``step``: its tuples may then
+    be namedtuples (an older pitstop that recorded no frameworks counts as JAX too)."""
+    mgr = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None)
+    try:
+        frameworks = mgr.metadata(step).writer.get("frameworks")
+    finally:
+        mgr.close()
+    return not isinstance(frameworks, dict) or "jax" in frameworks
+
+
 def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *,
-                 key: str | None = None, target: Any = None) -> str:
+                 key: str | None = None, target: Any = None,
+                 tuples_as_lists: bool = False) -> str:
     """Write pitstop checkpoint ``step`` (None: the newest) as step ``step`` of an Orbax
     ``CheckpointManager`` directory ``orbax_dir``, with Orbax's own writer
     (``CheckpointManager.save(step, args=StandardSave(tree))``, the single default item).
@@ -628,6 +658,13 @@ def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *
     loaded into that structure (``load(target=...)``) and written as Orbax would write that
     state itself, so ``StandardRestore`` into the same abstract state restores it.
 
+    Without ``target=``, a checkpoint that JAX's adapter captured (``writer["frameworks"]``
+    names jax) and that holds a tuple is refused, naming the entry: pitstop cannot tell a
+    namedtuple (an Optax state, which Orbax keys by field name) from a plain tuple there,
+    and a guess would make Orbax's ``StandardRestore`` fail later with "Structure mismatch".
+    Pass ``target=``, or ``tuples_as_lists=True`` when every tuple is a plain one. An empty
+    array (zero size), which Orbax cannot store, is refused too.
+
     Raises :class:`pitstop.StepExistsError` when ``orbax_dir`` already has that step and
     :class:`pitstop.CheckpointWriteError` when Orbax fails to write it.
     """
@@ -647,9 +684,14 @@ def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *
             tree = reader.load(step, target=target)
         finally:
             reader.close()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, jax.Array | np.ndarray) and leaf.size == 0 and leaf.ndim:
+                _to_orbax(np.zeros(leaf.shape, np.float32), "/".join(
+                    str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path))  # refused, named as in the state
     else:
         step, tree = read_step(pitstop_dir, None if step is None else step_arg(step), key)
-        tree = _to_orbax(tree, key or "")
+        tree = _to_orbax(tree, key or "", tuples_as_lists or not _jax_saved(pitstop_dir, step))
 
     root = Path(os.path.abspath(os.fspath(orbax_dir)))
     try:
