@@ -565,9 +565,12 @@ class BackupAndRestore(_KerasBackupAndRestore):
             self._mgr = None  # closed by a signal's save (Ctrl+C) in an earlier fit()
         if self._mgr is None:
             from ...core.manager import CheckpointManager
+            from ...core.policy import OnSteps
 
+            # the callback saves when save_freq says (save()); its step() calls are there
+            # for the signals only: a policy of no step says so (no "step() never saves")
             opts: dict[str, Any] = {"keep_last": 2 if self.double_checkpoint else 1,
-                                    "on_busy": "wait"}
+                                    "on_busy": "wait", "save_policy": OnSteps(())}
             opts.update(self.manager_options)
             self._mgr = CheckpointManager(self.backup_dir, **opts)
         return self._mgr
