@@ -286,3 +286,40 @@ def test_missing_checkpoints_and_checkpoint_options(kind, tmp_path, caplog, monk
     if isinstance(mgr, CheckpointManager):
         mgr.close()
     shutil.rmtree(d)
+
+
+def test_a_moved_directory_whose_state_file_has_absolute_paths(tmp_path, caplog):
+    """tf.train's ``checkpoint`` file written with absolute paths (``save_relative_paths``
+    off, TF1's Saver), the directory then moved: tf.train's restore_or_initialize raises
+    on the stale path; pitstop's resumed from nothing in silence and its first save
+    replaced tf.train's ckpt-1. It now resumes from the newest on disk, with a warning."""
+    from tensorflow.python.checkpoint import checkpoint_management as cm
+
+    old = tmp_path / "old"
+    model, opt, step, ck, mgr = native_run(str(old), 3)
+    cm.update_checkpoint_state_internal(
+        str(old), model_checkpoint_path=str(old / "ckpt-3"),
+        all_model_checkpoint_paths=[str(old / f"ckpt-{n}") for n in (1, 2, 3)],
+        save_relative_paths=False)
+    want = state_of(model, opt, step, ck)
+    for kind in PEERS:
+        shutil.copytree(old, tmp_path / kind)
+    shutil.rmtree(old)
+
+    model_t, opt_t, step_t = objects(1)
+    peer = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model_t, optimizer=opt_t, step=step_t),
+        str(tmp_path / "tf"), max_to_keep=3)
+    with pytest.raises(tf.errors.NotFoundError):
+        peer.restore_or_initialize()
+
+    model_p, opt_p, step_p = objects(1)
+    ck_p = Checkpoint(model=model_p, optimizer=opt_p, step=step_p)
+    moved = CheckpointManager(ck_p, str(tmp_path / "pitstop"), max_to_keep=3)
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        assert rel(moved.restore_or_initialize(), tmp_path) == os.path.join("pitstop", "ckpt-3")
+    assert "not there" in caplog.text and "ckpt-3" in caplog.text
+    assert same(state_of(model_p, opt_p, step_p, ck_p), want)
+    assert rel(moved.save(), tmp_path / "pitstop") == "ckpt-4"
+    moved.close()
+    assert (tmp_path / "pitstop" / "ckpt-1.index").exists()  # nothing managed: none deleted
