@@ -323,3 +323,34 @@ def test_a_moved_directory_whose_state_file_has_absolute_paths(tmp_path, caplog)
     assert rel(moved.save(), tmp_path / "pitstop") == "ckpt-4"
     moved.close()
     assert (tmp_path / "pitstop" / "ckpt-1.index").exists()  # nothing managed: none deleted
+
+
+def test_pitstop_ls_of_a_mixed_directory(tmp_path, capsys):
+    """`pitstop ls` of a directory holding tf.train's checkpoints, pitstop's, and a second
+    name: it hid the `.pitstop-best-/` run directory, called tf.train's files someone
+    else's "left alone" although the manager sweeps them, and named the retention by a
+    private class."""
+    from pitstop.cli import main
+
+    d = tmp_path / "mix"
+    v = tf.Variable([1.0, 2.0])
+    native = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), str(d), max_to_keep=3)
+    for _ in range(3):
+        native.save()
+    (d / "notes.txt").write_text("mine")
+    ck = Checkpoint(v=v)
+    mgr = CheckpointManager(ck, str(d), max_to_keep=3)
+    assert rel(mgr.restore_or_initialize(), d) == "ckpt-3"
+    mgr.save()
+    best = CheckpointManager(ck, str(d), max_to_keep=1, checkpoint_name="best")
+    best.save()
+    best.close()
+    mgr.close()
+    capsys.readouterr()
+    assert main(["ls", str(d)]) == 0
+    text = capsys.readouterr().out
+    assert f"pitstop ls {d / '.pitstop-best-'}" in text
+    assert "tf.train checkpoints: ckpt-2, ckpt-3 " in text and "deletes old ones" in text
+    assert "not pitstop's: notes.txt (left alone" in text
+    assert "ckpt-2.index" not in text and "_Doomed" not in text
+    assert "retention: tf.train's max_to_keep (pitstop.adapters.tf)" in text

@@ -180,6 +180,9 @@ class _Doomed:
     once the save that dropped them is committed, and tf.train's ``checkpoint`` file is
     rewritten to name the newest committed checkpoint (:mod:`._native`)."""
 
+    #: how ``pitstop ls`` names it (directory.json's retention record)
+    retention_label = "tf.train's max_to_keep (pitstop.adapters.tf)"
+
     def __init__(self, doomed: set[int]) -> None:
         self.doomed = doomed
         #: native checkpoints to delete: prefix -> the step whose commit drops it
