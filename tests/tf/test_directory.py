@@ -354,3 +354,34 @@ def test_pitstop_ls_of_a_mixed_directory(tmp_path, capsys):
     assert "not pitstop's: notes.txt (left alone" in text
     assert "ckpt-2.index" not in text and "_Doomed" not in text
     assert "retention: tf.train's max_to_keep (pitstop.adapters.tf)" in text
+
+
+def test_a_save_after_passing_over_a_corrupt_native_checkpoint_replaces_it(tmp_path):
+    """The fallback passed over tf.train's corrupt ckpt-2 and forgot it: the next save wrote
+    ckpt-2/ beside the corrupt ckpt-2.index, and every restart then read the corrupt native
+    one (the .index wins), fell back to ckpt-1 and lost the resumed run's progress."""
+    import warnings
+
+    d = str(tmp_path / "native")
+    v = tf.Variable(tf.zeros(256))
+    native = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), d, max_to_keep=3)
+    for i in (1, 2):
+        v.assign(tf.fill([256], float(i)))
+        native.save()
+    data = next(p for p in Path(d).iterdir() if p.name.startswith("ckpt-2.data-"))
+    data.write_bytes(data.read_bytes()[:100])
+    w = tf.Variable(tf.zeros(256))
+    mgr = CheckpointManager(Checkpoint(v=w), d, max_to_keep=3)
+    with pytest.warns(UserWarning, match=r"ckpt-2 is corrupt"):
+        assert rel(mgr.restore_or_initialize(), d) == "ckpt-1"
+    w.assign(tf.fill([256], 7.0))
+    assert rel(mgr.save(), d) == "ckpt-2"
+    mgr.close()
+    assert not os.path.exists(os.path.join(d, "ckpt-2.index"))
+    u = tf.Variable(tf.zeros(256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = CheckpointManager(Checkpoint(v=u), d, max_to_keep=3)
+        assert rel(again.restore_or_initialize(), d) == "ckpt-2"
+    assert float(u.numpy()[0]) == 7.0
+    again.close()

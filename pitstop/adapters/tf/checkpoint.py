@@ -907,7 +907,8 @@ class CheckpointManager:
                     self._mgr._quarantine(step)
                 self._maybe_delete.pop(step, None)
                 self._saved = [s for s in self._saved if s != step]
-                self._native.discard(step)  # (a save of its number replaces its files)
+                # (still one of the native checkpoints: a save of its number replaces its
+                # files, so that path never names the corrupt one beside a new one)
                 continue
             self._latest = step
             if step not in self._saved:
