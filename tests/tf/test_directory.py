@@ -385,3 +385,42 @@ def test_a_save_after_passing_over_a_corrupt_native_checkpoint_replaces_it(tmp_p
         assert rel(again.restore_or_initialize(), d) == "ckpt-2"
     assert float(u.numpy()[0]) == 7.0
     again.close()
+
+
+def test_a_restart_finishes_what_a_killed_save_was_to_do_to_native_files(tmp_path, monkeypatch):
+    """A job killed after save() returned (its save recovered from the memory tier by the
+    restart) never ran the pass after the commit: tf.train's ckpt-2, dropped by that save's
+    sweep, then stayed forever (no later sweep knew it), and tf.train's checkpoint file kept
+    naming ckpt-3. Here the pass is held back as the kill would, then the directory reopened;
+    tf.train's own run of the same saves is the reference."""
+    import pitstop.adapters.tf._native as native_mod
+
+    def tf_run(d):
+        v, step = tf.Variable(0.0), tf.Variable(0, dtype=tf.int64)
+        mgr = tf.train.CheckpointManager(tf.train.Checkpoint(v=v, step=step), d, max_to_keep=2)
+        for _ in range(3):
+            step.assign_add(1)
+            mgr.save()
+        return v, step, mgr
+
+    _v, _s, peer = tf_run(str(tmp_path / "tf"))
+    peer.save()                                   # ckpt-4: tf.train deletes ckpt-2
+    d = str(tmp_path / "pitstop")
+    v, step, _ = tf_run(d)
+    mgr = CheckpointManager(Checkpoint(v=v, step=step), d, max_to_keep=2)
+    assert rel(mgr.restore_or_initialize(), d) == "ckpt-3"
+    with monkeypatch.context() as m:              # the process dies before the pass
+        m.setattr(native_mod, "delete", lambda prefix: None)
+        m.setattr(native_mod, "record", lambda *a, **k: None)
+        mgr.save()
+        mgr.close()
+    assert os.path.exists(os.path.join(d, "ckpt-2.index"))
+    again = CheckpointManager(Checkpoint(v=v, step=step), d, max_to_keep=2)
+    assert rel(again.restore_or_initialize(), d) == "ckpt-4"
+    again.close()
+    native_left = sorted(f for f in os.listdir(d) if f.endswith(".index"))
+    assert native_left == ["ckpt-3.index"]       # tf.train kept ckpt-3 and ckpt-4
+    assert [rel(p, tmp_path / "tf") for p in peer.checkpoints] == ["ckpt-3", "ckpt-4"] == [
+        rel(p, d) for p in again.checkpoints]
+    assert rel(tf.train.latest_checkpoint(d), d) == "ckpt-4" == rel(peer.latest_checkpoint,
+                                                                     tmp_path / "tf")
