@@ -183,6 +183,11 @@ def _open(directory: str, options: list[str] | None = None) -> Storage:
     try:
         st = os.stat(directory)
     except FileNotFoundError:
+        if os.path.isfile(directory + ".index"):  # a tf.train path: <prefix>.index beside
+            raise CliError(
+                f"{directory}: a tf.train checkpoint ({os.path.basename(directory)}.index and "
+                ".data-* files), not a pitstop one; pitstop.adapters.tf restores it as it is, "
+                f"`pitstop import {directory} DEST` makes a pitstop checkpoint of it") from None
         link = " (a symbolic link to nothing)" if os.path.islink(directory) else ""
         raise CliError(f"{directory}: no such directory{link}; check the path") from None
     except NotADirectoryError:

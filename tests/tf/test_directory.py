@@ -424,3 +424,17 @@ def test_a_restart_finishes_what_a_killed_save_was_to_do_to_native_files(tmp_pat
         rel(p, d) for p in again.checkpoints]
     assert rel(tf.train.latest_checkpoint(d), d) == "ckpt-4" == rel(peer.latest_checkpoint,
                                                                      tmp_path / "tf")
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify"])
+def test_pitstop_commands_given_a_tf_train_checkpoint_path(command, tmp_path, capsys):
+    """A tf.train user gives pitstop the path tf.train prints (`<dir>/ckpt-2`): it said
+    "no such directory; check the path" of a checkpoint that is there."""
+    from pitstop.cli import main
+
+    d = tmp_path / "native"
+    mgr = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), str(d), 1)
+    path = mgr.save()
+    assert main([command, path]) != 0
+    err = capsys.readouterr().err
+    assert "a tf.train checkpoint" in err and f"pitstop import {path}" in err
