@@ -183,6 +183,11 @@ def _open(directory: str, options: list[str] | None = None) -> Storage:
     try:
         st = os.stat(directory)
     except FileNotFoundError:
+        if os.path.isfile(directory + ".index"):  # a tf.train path: <prefix>.index beside
+            raise CliError(
+                f"{directory}: a tf.train checkpoint ({os.path.basename(directory)}.index and "
+                ".data-* files), not a pitstop one; pitstop.adapters.tf restores it as it is, "
+                f"`pitstop import {directory} DEST` makes a pitstop checkpoint of it") from None
         link = " (a symbolic link to nothing)" if os.path.islink(directory) else ""
         raise CliError(f"{directory}: no such directory{link}; check the path") from None
     except NotADirectoryError:
@@ -275,6 +280,9 @@ class Listing:
     odd: list[tuple[str, str]] = field(default_factory=list)
     #: names pitstop did not make (``step_5`` included): listed, never touched
     foreign: list[str] = field(default_factory=list)
+    #: hidden pitstop run directories inside this one (``.pitstop-best-``: the
+    #: checkpoints of a second tf.train checkpoint name)
+    nested: list[str] = field(default_factory=list)
     #: leftovers of interrupted saves: ``.tmp-<name>-<8 hex>`` directories and
     #: ``.pitstop/<file>.tmp-<8 hex>`` files (what gc removes)
     tmp: list[str] = field(default_factory=list)
@@ -363,7 +371,9 @@ def _scan(storage: Storage) -> Listing:
             (out.tmp if _kind(path) == stat.S_IFDIR else out.foreign).append(entry)
             continue
         if entry.startswith("."):
-            continue  # hidden files: none of pitstop's business
+            if os.path.isdir(os.path.join(path, META_DIR)) and not os.path.islink(path):
+                out.nested.append(entry)  # a run directory of its own: ls points to it
+            continue  # other hidden files: none of pitstop's business
         step = naming.parse(entry)
         if step is not None:
             manifest = os.path.join(path, MANIFEST)
@@ -834,6 +844,26 @@ def _leftover_rows(listing: Listing) -> list[tuple[int | None, str]]:
     return rows
 
 
+_TF_FILE = re.compile(r"^(.+)(\.index|\.data-\d{5}-of-\d{5})$")
+
+
+def _tf_native(entries: list[str]) -> tuple[list[str], list[str]]:
+    """(the tf.train checkpoints among ``entries``: the prefixes with a ``.index``, the
+    other entries): their files, and tf.train's ``checkpoint`` state file beside them, are
+    not listed as someone else's, since pitstop's TensorFlow manager sweeps them."""
+    prefixes = {m.group(1) for e in entries if (m := _TF_FILE.match(e)) and
+                m.group(2) == ".index"}
+    if not prefixes:
+        return [], entries
+    rest = [e for e in entries if e != "checkpoint" and not (
+        (m := _TF_FILE.match(e)) and m.group(1) in prefixes)]
+    return sorted(prefixes, key=_natural), rest
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..core.policy import CheckpointInfo
     _encryption()  # a malformed key is said once, not on every row as "unreadable"
@@ -930,13 +960,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
                   "a kept checkpoint references it)", file=out)
     if only is not None:
         return OK
-    if listing.foreign:
+    for entry in listing.nested:
+        print(f"run directory {entry}/ inside it: `pitstop ls {storage.path_of(entry)}` "
+              "lists its checkpoints", file=out)
+    native, foreign = _tf_native(listing.foreign)
+    if native:
+        print(f"tf.train checkpoints: {', '.join(native)} (their .index and .data-* files"
+              f"{', and its checkpoint state file' if 'checkpoint' in listing.foreign else ''}"
+              "): pitstop's commands leave them alone; a pitstop.adapters.tf.CheckpointManager "
+              "of their name restores from them and deletes old ones as tf.train's "
+              "max_to_keep does", file=out)
+    if foreign:
         hint = (
             f"; this directory names a checkpoint {naming.describe()}"
-            if any(_looks_like(naming, f) for f in listing.foreign)
+            if any(_looks_like(naming, f) for f in foreign)
             else ""
         )
-        print(f"not pitstop's: {', '.join(listing.foreign)} (left alone{hint})", file=out)
+        print(f"not pitstop's: {', '.join(foreign)} (left alone{hint})", file=out)
     if not listing.has_meta:
         print(
             f"{_no_meta(listing)}: not a pitstop checkpoint directory (or its {META_DIR}/ "

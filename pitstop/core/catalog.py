@@ -122,8 +122,9 @@ def create_identity(storage: Storage, naming: Naming = DEFAULT, encryption: Any 
 def retention_record(policies: list[RetentionPolicy]) -> list[dict[str, Any]]:
     """The retention policies as recorded in ``directory.json`` (``"retention"``), so that
     ``pitstop ls`` can say which checkpoints the next retention pass keeps, and why. A
-    policy pitstop does not know is recorded by its class name only (``"custom"``), also a
-    subclass of one of pitstop's (its own ``keep`` may decide otherwise)."""
+    policy pitstop does not know is recorded by its ``retention_label`` (a string attribute),
+    else its class name (``"custom"``), also a subclass of one of pitstop's (its own
+    ``keep`` may decide otherwise)."""
     out: list[dict[str, Any]] = []
     for p in policies:
         if type(p) is KeepLast:
@@ -136,7 +137,9 @@ def retention_record(policies: list[RetentionPolicy]) -> list[dict[str, Any]]:
             out.append({"keep_all": True})
         else:
             kind = type(p)
-            out.append({"custom": f"{kind.__module__}.{kind.__qualname__}"})
+            label = getattr(p, "retention_label", None)  # what the policy says it is
+            out.append({"custom": label if isinstance(label, str) and label else
+                        f"{kind.__module__}.{kind.__qualname__}"})
     return out
 
 

@@ -286,3 +286,155 @@ def test_missing_checkpoints_and_checkpoint_options(kind, tmp_path, caplog, monk
     if isinstance(mgr, CheckpointManager):
         mgr.close()
     shutil.rmtree(d)
+
+
+def test_a_moved_directory_whose_state_file_has_absolute_paths(tmp_path, caplog):
+    """tf.train's ``checkpoint`` file written with absolute paths (``save_relative_paths``
+    off, TF1's Saver), the directory then moved: tf.train's restore_or_initialize raises
+    on the stale path; pitstop's resumed from nothing in silence and its first save
+    replaced tf.train's ckpt-1. It now resumes from the newest on disk, with a warning."""
+    from tensorflow.python.checkpoint import checkpoint_management as cm
+
+    old = tmp_path / "old"
+    model, opt, step, ck, mgr = native_run(str(old), 3)
+    cm.update_checkpoint_state_internal(
+        str(old), model_checkpoint_path=str(old / "ckpt-3"),
+        all_model_checkpoint_paths=[str(old / f"ckpt-{n}") for n in (1, 2, 3)],
+        save_relative_paths=False)
+    want = state_of(model, opt, step, ck)
+    for kind in PEERS:
+        shutil.copytree(old, tmp_path / kind)
+    shutil.rmtree(old)
+
+    model_t, opt_t, step_t = objects(1)
+    peer = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model_t, optimizer=opt_t, step=step_t),
+        str(tmp_path / "tf"), max_to_keep=3)
+    with pytest.raises(tf.errors.NotFoundError):
+        peer.restore_or_initialize()
+
+    model_p, opt_p, step_p = objects(1)
+    ck_p = Checkpoint(model=model_p, optimizer=opt_p, step=step_p)
+    moved = CheckpointManager(ck_p, str(tmp_path / "pitstop"), max_to_keep=3)
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        assert rel(moved.restore_or_initialize(), tmp_path) == os.path.join("pitstop", "ckpt-3")
+    assert "not there" in caplog.text and "ckpt-3" in caplog.text
+    assert same(state_of(model_p, opt_p, step_p, ck_p), want)
+    assert rel(moved.save(), tmp_path / "pitstop") == "ckpt-4"
+    moved.close()
+    assert (tmp_path / "pitstop" / "ckpt-1.index").exists()  # nothing managed: none deleted
+
+
+def test_pitstop_ls_of_a_mixed_directory(tmp_path, capsys):
+    """`pitstop ls` of a directory holding tf.train's checkpoints, pitstop's, and a second
+    name: it hid the `.pitstop-best-/` run directory, called tf.train's files someone
+    else's "left alone" although the manager sweeps them, and named the retention by a
+    private class."""
+    from pitstop.cli import main
+
+    d = tmp_path / "mix"
+    v = tf.Variable([1.0, 2.0])
+    native = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), str(d), max_to_keep=3)
+    for _ in range(3):
+        native.save()
+    (d / "notes.txt").write_text("mine")
+    ck = Checkpoint(v=v)
+    mgr = CheckpointManager(ck, str(d), max_to_keep=3)
+    assert rel(mgr.restore_or_initialize(), d) == "ckpt-3"
+    mgr.save()
+    best = CheckpointManager(ck, str(d), max_to_keep=1, checkpoint_name="best")
+    best.save()
+    best.close()
+    mgr.close()
+    capsys.readouterr()
+    assert main(["ls", str(d)]) == 0
+    text = capsys.readouterr().out
+    assert f"pitstop ls {d / '.pitstop-best-'}" in text
+    assert "tf.train checkpoints: ckpt-2, ckpt-3 " in text and "deletes old ones" in text
+    assert "not pitstop's: notes.txt (left alone" in text
+    assert "ckpt-2.index" not in text and "_Doomed" not in text
+    assert "retention: tf.train's max_to_keep (pitstop.adapters.tf)" in text
+
+
+def test_a_save_after_passing_over_a_corrupt_native_checkpoint_replaces_it(tmp_path):
+    """The fallback passed over tf.train's corrupt ckpt-2 and forgot it: the next save wrote
+    ckpt-2/ beside the corrupt ckpt-2.index, and every restart then read the corrupt native
+    one (the .index wins), fell back to ckpt-1 and lost the resumed run's progress."""
+    import warnings
+
+    d = str(tmp_path / "native")
+    v = tf.Variable(tf.zeros(256))
+    native = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), d, max_to_keep=3)
+    for i in (1, 2):
+        v.assign(tf.fill([256], float(i)))
+        native.save()
+    data = next(p for p in Path(d).iterdir() if p.name.startswith("ckpt-2.data-"))
+    data.write_bytes(data.read_bytes()[:100])
+    w = tf.Variable(tf.zeros(256))
+    mgr = CheckpointManager(Checkpoint(v=w), d, max_to_keep=3)
+    with pytest.warns(UserWarning, match=r"ckpt-2 is corrupt"):
+        assert rel(mgr.restore_or_initialize(), d) == "ckpt-1"
+    w.assign(tf.fill([256], 7.0))
+    assert rel(mgr.save(), d) == "ckpt-2"
+    mgr.close()
+    assert not os.path.exists(os.path.join(d, "ckpt-2.index"))
+    u = tf.Variable(tf.zeros(256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = CheckpointManager(Checkpoint(v=u), d, max_to_keep=3)
+        assert rel(again.restore_or_initialize(), d) == "ckpt-2"
+    assert float(u.numpy()[0]) == 7.0
+    again.close()
+
+
+def test_a_restart_finishes_what_a_killed_save_was_to_do_to_native_files(tmp_path, monkeypatch):
+    """A job killed after save() returned (its save recovered from the memory tier by the
+    restart) never ran the pass after the commit: tf.train's ckpt-2, dropped by that save's
+    sweep, then stayed forever (no later sweep knew it), and tf.train's checkpoint file kept
+    naming ckpt-3. Here the pass is held back as the kill would, then the directory reopened;
+    tf.train's own run of the same saves is the reference."""
+    import pitstop.adapters.tf._native as native_mod
+
+    def tf_run(d):
+        v, step = tf.Variable(0.0), tf.Variable(0, dtype=tf.int64)
+        mgr = tf.train.CheckpointManager(tf.train.Checkpoint(v=v, step=step), d, max_to_keep=2)
+        for _ in range(3):
+            step.assign_add(1)
+            mgr.save()
+        return v, step, mgr
+
+    _v, _s, peer = tf_run(str(tmp_path / "tf"))
+    peer.save()                                   # ckpt-4: tf.train deletes ckpt-2
+    d = str(tmp_path / "pitstop")
+    v, step, _ = tf_run(d)
+    mgr = CheckpointManager(Checkpoint(v=v, step=step), d, max_to_keep=2)
+    assert rel(mgr.restore_or_initialize(), d) == "ckpt-3"
+    with monkeypatch.context() as m:              # the process dies before the pass
+        m.setattr(native_mod, "delete", lambda prefix: None)
+        m.setattr(native_mod, "record", lambda *a, **k: None)
+        mgr.save()
+        mgr.close()
+    assert os.path.exists(os.path.join(d, "ckpt-2.index"))
+    again = CheckpointManager(Checkpoint(v=v, step=step), d, max_to_keep=2)
+    assert rel(again.restore_or_initialize(), d) == "ckpt-4"
+    again.close()
+    native_left = sorted(f for f in os.listdir(d) if f.endswith(".index"))
+    assert native_left == ["ckpt-3.index"]       # tf.train kept ckpt-3 and ckpt-4
+    assert [rel(p, tmp_path / "tf") for p in peer.checkpoints] == ["ckpt-3", "ckpt-4"] == [
+        rel(p, d) for p in again.checkpoints]
+    assert rel(tf.train.latest_checkpoint(d), d) == "ckpt-4" == rel(peer.latest_checkpoint,
+                                                                     tmp_path / "tf")
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify"])
+def test_pitstop_commands_given_a_tf_train_checkpoint_path(command, tmp_path, capsys):
+    """A tf.train user gives pitstop the path tf.train prints (`<dir>/ckpt-2`): it said
+    "no such directory; check the path" of a checkpoint that is there."""
+    from pitstop.cli import main
+
+    d = tmp_path / "native"
+    mgr = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), str(d), 1)
+    path = mgr.save()
+    assert main([command, path]) != 0
+    err = capsys.readouterr().err
+    assert "a tf.train checkpoint" in err and f"pitstop import {path}" in err

@@ -81,7 +81,20 @@ def state(directory: str, name: str) -> dict[str, Any] | None:
     if latest is None and managed:
         latest = managed[-1][0]
     if latest is None and not managed:
-        return None
+        if not on_disk or exists(st.model_checkpoint_path):
+            return None  # the file names another prefix's checkpoint, which is there
+        # the file names checkpoints that are not there: written with absolute paths
+        # (save_relative_paths=False, TF1's Saver) in a directory since moved or copied.
+        # tf.train's restore then fails on the stale path; a fresh start here would write
+        # over tf.train's checkpoint 1. Resume from the newest one on disk, loudly, and
+        # manage none of them (nothing tf.train did not drop is deleted).
+        log.warning(
+            "pitstop: tf.train's state file %s names %s, which is not there (a directory "
+            "moved after tf.train wrote absolute paths?); resuming from the newest "
+            "checkpoint of that name on disk, %s%d, and deleting none of the native ones",
+            os.path.join(directory, STATE_FILE), st.model_checkpoint_path, name,
+            max(on_disk))
+        return {"latest": max(on_disk), "managed": [], "last_preserved": last}
     return {"latest": latest, "managed": managed, "last_preserved": last}
 
 

@@ -180,6 +180,9 @@ class _Doomed:
     once the save that dropped them is committed, and tf.train's ``checkpoint`` file is
     rewritten to name the newest committed checkpoint (:mod:`._native`)."""
 
+    #: how ``pitstop ls`` names it (directory.json's retention record)
+    retention_label = "tf.train's max_to_keep (pitstop.adapters.tf)"
+
     def __init__(self, doomed: set[int]) -> None:
         self.doomed = doomed
         #: native checkpoints to delete: prefix -> the step whose commit drops it
@@ -700,7 +703,10 @@ class CheckpointManager:
         #: the numbers of tf.train's own checkpoints of this name in the directory (a run
         #: that changed only its import): managed, restored and swept as tf.train's
         self._native = _native.steps(self._directory, f"{checkpoint_name}-")
+        from_disk = self._run.state is None  # (not the state of a live writer here)
         state = self._run.recover()
+        if state is not None and self._native and from_disk:
+            self._finish_natives(state)
         if state is None and self._native:
             state = _native.state(self._directory, f"{checkpoint_name}-")
             if state is not None:
@@ -730,6 +736,33 @@ class CheckpointManager:
         latest = state.get("latest")
         self._latest = latest if isinstance(latest, int) else None
         self._saved = [] if self._latest is None else [self._latest]
+
+    def _finish_natives(self, state: dict[str, Any]) -> None:
+        """What the commit of the newest checkpoint was to do to tf.train's files, when its
+        process died before (killed after ``save()`` returned, the save recovered from the
+        memory tier): delete the native checkpoints its sweep dropped (else no later sweep
+        knows them: they stay forever) and make tf.train's ``checkpoint`` file name it
+        (else ``tf.train.latest_checkpoint`` names an older one in silence)."""
+        latest = state.get("latest")
+        if not isinstance(latest, int) or latest not in self._mgr.all_steps():
+            return
+        for n in state.get("native_doomed", []):
+            if isinstance(n, int) and n in self._native:
+                _native.delete(self._path(n))
+                self._native.discard(n)
+        if not _native.has_state_file(self._directory):
+            return
+        try:
+            named = tf.train.get_checkpoint_state(self._directory)
+        except (tf.errors.OpError, ValueError, OSError):
+            return
+        base = os.path.basename(named.model_checkpoint_path) if named is not None else ""
+        m = _NUMBERED.match(base)
+        if m and m.group(1) == self._name and int(m.group(2)) < latest:
+            _native.record(self._directory, self._path(latest),
+                           [(self._path(int(n)), float(t)) for n, t in state.get("managed", [])
+                            if isinstance(n, int)],
+                           float(state.get("last_preserved", 0.0)))
 
     @property
     def directory(self) -> str:
@@ -831,7 +864,11 @@ class CheckpointManager:
             self._run.doomed.update(swept - self._native)
             state = self._run.record({
                 "latest": number, "managed": [[s, t] for s, t in self._maybe_delete.items()],
-                "last_preserved": self._last_preserved})
+                "last_preserved": self._last_preserved,
+                # what this save's commit does to tf.train's files, done again by the next
+                # manager when the process died first (a SIGKILL, its save recovered
+                # from the memory tier): see _finish_natives
+                "native_doomed": sorted(swept & self._native)})
             self._after_commit(number, swept, options)
             self._mgr.save(number, _graph_root(self._root), user_metadata={_STATE: state})
         except BaseException:
@@ -904,7 +941,8 @@ class CheckpointManager:
                     self._mgr._quarantine(step)
                 self._maybe_delete.pop(step, None)
                 self._saved = [s for s in self._saved if s != step]
-                self._native.discard(step)  # (a save of its number replaces its files)
+                # (still one of the native checkpoints: a save of its number replaces its
+                # files, so that path never names the corrupt one beside a new one)
                 continue
             self._latest = step
             if step not in self._saved:
