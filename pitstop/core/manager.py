@@ -403,7 +403,8 @@ class CheckpointManager:
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
                 encryption=encryption, incremental=incremental,
                 lazy=snapshot == "lazy" and async_save)
-            if encryption is not None and (coord is None or coord.leader):
+            if encryption is not None and not self.read_only and (coord is None or
+                                                                  coord.leader):
                 # each encrypted save records its place in the directory's order of saves
                 self._engine.last_seq = wrap_os(last_seq, self.directory, self.storage,
                                                 self.naming)
@@ -1167,7 +1168,8 @@ class CheckpointManager:
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
                 corrupt.append(e)
-                self._quarantine(s)
+                if not e.linked:
+                    self._quarantine(s)
                 continue
             except UnsupportedFormatError as e:
                 # written by a newer pitstop: not corrupt, so never moved aside
@@ -1207,10 +1209,16 @@ class CheckpointManager:
             # checkpoints existed but none is valid: starting from scratch must be the user's
             # decision, not a silent one
             written = _overwritten(corrupt)
+            kept = sum(c.linked for c in corrupt)
             err = CorruptCheckpointError(
                 f"no valid checkpoint in {self.directory}: all {len(corrupt)} failed "
-                f"verification ({'; '.join(str(c) for c in corrupt[:3])}). They were moved "
-                f"aside as {self.naming.prefix}*.corrupt-*; restore() again starts from scratch."
+                f"verification ({'; '.join(str(c) for c in corrupt[:3])}). " + (
+                    f"They were moved aside as {self.naming.prefix}*.corrupt-*; restore() "
+                    "again starts from scratch." if not kept else
+                    f"{kept} of them hold a file with a second name (a hard link): left in "
+                    "place, not moved aside. Break the links (remove the linked copy, or "
+                    "replace it with one made by cp -a) and restore() again; the others "
+                    f"were moved aside as {self.naming.prefix}*.corrupt-*.")
                 + (f" The target already holds bytes of a corrupt checkpoint in: {written}; "
                    "rebuild it before training from scratch." if written else ""),
                 checkpoint=self.directory)
