@@ -1269,7 +1269,7 @@ class CheckpointManager:
         if step is not None and step not in lead:
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} in {self.directory} (have: {lead[-10:]})")
-        corrupt = 0
+        corrupt = linked = 0
         for s in [step] if step is not None else reversed(lead):
             outcome, report = "ok", None
             error: CheckpointError | None = None
@@ -1301,7 +1301,7 @@ class CheckpointManager:
             except CoordinationError as e:
                 outcome, error = "skipped" if getattr(e, "other_rank", False) else "refused", e
             except CorruptCheckpointError as e:
-                outcome, error = "corrupt", e
+                outcome, error = "linked" if e.linked else "corrupt", e
             except UnsupportedFormatError as e:
                 outcome, error = "newer", e
             except CheckpointError as e:
@@ -1323,16 +1323,22 @@ class CheckpointManager:
                    f"({text}); all ranks fall back to the previous one")
             log.error(msg)
             warnings.warn(msg, stacklevel=4)
-            if any(o == "corrupt" for _r, o, _w in bad):
+            if any(o == "linked" for _r, o, _w in bad):
+                linked += 1  # a file with a second name: refused, left in place
+            elif any(o == "corrupt" for _r, o, _w in bad):
                 corrupt += 1
                 if coord.leader:
                     self._quarantine(s)
                 else:
                     self._catalog.forget(s)  # the leader moves it aside
-        if corrupt:
+        if corrupt or linked:
             raise CorruptCheckpointError(
-                f"no valid checkpoint in {self.directory}: {corrupt} failed verification on "
-                "a rank (moved aside); restore() again starts from scratch",
+                f"no valid checkpoint in {self.directory}: {corrupt + linked} failed "
+                "verification on a rank" + (
+                    f"; {linked} hold a file with a second name (a hard link): left in place, "
+                    "not moved aside. Break the links (remove the linked copy, or replace it "
+                    "with one made by cp -a) and restore() again" if linked else
+                    " (moved aside); restore() again starts from scratch"),
                 checkpoint=self.directory)
         return None, None
 

@@ -416,3 +416,31 @@ def test_a_hard_link_backup_of_a_live_run_leaves_its_checkpoints_in_place(tmp_pa
     with mgr(run) as m:
         assert m.restore(state) == 3
     assert state["step"] == 3
+
+
+def test_a_hard_link_backup_leaves_a_multi_rank_run_in_place(tmp_path):
+    """The same backup of a 2-rank plaintext run (an encrypted writer does not open while
+    its manifests are linked): the leader moved each checkpoint aside as corrupt and said a
+    second restore() starts from scratch."""
+    from thread_ranks import ranks
+    run = tmp_path / "run"
+
+    def job(rank, coord):
+        with mgr(run, None, distributed=coord) as m:
+            m.save(1, {**small(1), "mine": np.full(4, rank)}).wait()
+
+    ranks(2, job)
+    subprocess.run(["cp", "-al", str(run), str(tmp_path / "backup")], check=True)
+
+    def resume(rank, coord):
+        with mgr(run, None, distributed=coord) as m:
+            try:
+                m.restore({**small(0), "mine": np.zeros(4, int)})
+            except pitstop.CorruptCheckpointError as e:
+                return str(e)
+        return None
+
+    with pytest.warns(UserWarning, match="2 names"):
+        said = ranks(2, resume)
+    assert all(s and "left in place" in s for s in said), said
+    assert sorted(p.name for p in run.iterdir()) == [".pitstop", "step_0000000001"]
