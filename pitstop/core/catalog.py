@@ -202,12 +202,14 @@ _TAIL = 4096
 _SEALED_TAIL = re.compile(rb'"encryption":(\{[^{}]*\}),"manifest_mac":"[0-9a-f]{1,128}"\}\s*$')
 
 
-def sealed_sections(storage: Storage, naming: Naming, aside: bool = True
-                    ) -> Iterator[tuple[str, dict[str, Any]]]:
+def sealed_sections(storage: Storage, naming: Naming, aside: bool = True,
+                    strict: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(name, encryption section)`` of each checkpoint in the directory whose manifest is
     encrypted (``aside``: also those moved aside as corrupt or abandoned), read from the
     last few KiB of each manifest, never a whole one. Not authenticated: what it says is
-    used only to refuse (a plaintext checkpoint beside it, a replayed one), never to trust."""
+    used only to refuse (a plaintext checkpoint beside it, a replayed one), never to trust.
+    ``strict``: a manifest that is there but cannot be read raises its OSError (one vanished
+    meanwhile is passed over); otherwise it is passed over too."""
     from .storage.local import MANIFEST
     for name in storage.list_checkpoints():
         if naming.parse(name) is None and not (aside and ".abandoned-" in name or
@@ -219,7 +221,13 @@ def sealed_sections(storage: Storage, naming: Naming, aside: bool = True
             got = storage.read_into(name, MANIFEST, n - len(tail), tail)
             m = _SEALED_TAIL.search(bytes(tail[:got]))
             section = load_json(m.group(1)) if m is not None else None
-        except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+        except FileNotFoundError:
+            continue
+        except OSError:
+            if strict:
+                raise
+            continue
+        except (ValueError, RecursionError, UnicodeDecodeError):
             continue
         if isinstance(section, dict) and isinstance(section.get("key_id"), str):
             yield name, section
@@ -241,9 +249,21 @@ def encrypted_evidence(storage: Storage, naming: Naming) -> dict[str, Any] | Non
 
 def last_seq(storage: Storage, naming: Naming) -> int:
     """The highest ``seq`` an encrypted checkpoint of the directory records (also one moved
-    aside: a rollback's abandoned checkpoints were saved before the next save); 0: none."""
-    seqs = [sec["seq"] for _n, sec in sealed_sections(storage, naming)
-            if type(sec.get("seq")) is int]
+    aside: a rollback's abandoned checkpoints were saved before the next save); 0: none.
+
+    A manifest it cannot read is no manifest it may pass over: the next save's seq would
+    then be below that checkpoint's, and that save refused as a replay once the manifest
+    can be read again (a hard-link backup removed, a storage error gone)."""
+    try:
+        seqs = [sec["seq"] for _n, sec in sealed_sections(storage, naming, strict=True)
+                if type(sec.get("seq")) is int]
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint directory {storage.location}: a checkpoint's manifest cannot be read "
+            f"({e}), so pitstop cannot tell where the next encrypted save comes in the "
+            "directory's order of saves (seq); a save numbered too low would later be refused "
+            "as a replay. Make the manifest readable (break a hard link by removing the linked "
+            "copy, or retry after a storage error) and open the directory again") from e
     return max(seqs, default=0)
 
 

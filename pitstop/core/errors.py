@@ -26,6 +26,9 @@ class CorruptCheckpointError(CheckpointError):
         self.key = key
         self.file = file
         self.overwritten: list[str] = []
+        #: refused for a file with a second name (a hard link), not for its bytes: such a
+        #: checkpoint is left in place, never moved aside as corrupt
+        self.linked = False
 
 
 class IncompatibleTargetError(CheckpointError):

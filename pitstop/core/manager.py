@@ -403,7 +403,8 @@ class CheckpointManager:
                 name_of=self.naming.name, copy_threads=copy_threads, coordinator=coord,
                 encryption=encryption, incremental=incremental,
                 lazy=snapshot == "lazy" and async_save)
-            if encryption is not None and (coord is None or coord.leader):
+            if encryption is not None and not self.read_only and (coord is None or
+                                                                  coord.leader):
                 # each encrypted save records its place in the directory's order of saves
                 self._engine.last_seq = wrap_os(last_seq, self.directory, self.storage,
                                                 self.naming)
@@ -1167,7 +1168,8 @@ class CheckpointManager:
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
                 corrupt.append(e)
-                self._quarantine(s)
+                if not e.linked:
+                    self._quarantine(s)
                 continue
             except UnsupportedFormatError as e:
                 # written by a newer pitstop: not corrupt, so never moved aside
@@ -1207,10 +1209,16 @@ class CheckpointManager:
             # checkpoints existed but none is valid: starting from scratch must be the user's
             # decision, not a silent one
             written = _overwritten(corrupt)
+            kept = sum(c.linked for c in corrupt)
             err = CorruptCheckpointError(
                 f"no valid checkpoint in {self.directory}: all {len(corrupt)} failed "
-                f"verification ({'; '.join(str(c) for c in corrupt[:3])}). They were moved "
-                f"aside as {self.naming.prefix}*.corrupt-*; restore() again starts from scratch."
+                f"verification ({'; '.join(str(c) for c in corrupt[:3])}). " + (
+                    f"They were moved aside as {self.naming.prefix}*.corrupt-*; restore() "
+                    "again starts from scratch." if not kept else
+                    f"{kept} of them hold a file with a second name (a hard link): left in "
+                    "place, not moved aside. Break the links (remove the linked copy, or "
+                    "replace it with one made by cp -a) and restore() again; the others "
+                    f"were moved aside as {self.naming.prefix}*.corrupt-*.")
                 + (f" The target already holds bytes of a corrupt checkpoint in: {written}; "
                    "rebuild it before training from scratch." if written else ""),
                 checkpoint=self.directory)
@@ -1261,7 +1269,7 @@ class CheckpointManager:
         if step is not None and step not in lead:
             raise CheckpointNotFoundError(
                 f"no checkpoint of step {step} in {self.directory} (have: {lead[-10:]})")
-        corrupt = 0
+        corrupt = linked = 0
         for s in [step] if step is not None else reversed(lead):
             outcome, report = "ok", None
             error: CheckpointError | None = None
@@ -1293,7 +1301,7 @@ class CheckpointManager:
             except CoordinationError as e:
                 outcome, error = "skipped" if getattr(e, "other_rank", False) else "refused", e
             except CorruptCheckpointError as e:
-                outcome, error = "corrupt", e
+                outcome, error = "linked" if e.linked else "corrupt", e
             except UnsupportedFormatError as e:
                 outcome, error = "newer", e
             except CheckpointError as e:
@@ -1315,16 +1323,22 @@ class CheckpointManager:
                    f"({text}); all ranks fall back to the previous one")
             log.error(msg)
             warnings.warn(msg, stacklevel=4)
-            if any(o == "corrupt" for _r, o, _w in bad):
+            if any(o == "linked" for _r, o, _w in bad):
+                linked += 1  # a file with a second name: refused, left in place
+            elif any(o == "corrupt" for _r, o, _w in bad):
                 corrupt += 1
                 if coord.leader:
                     self._quarantine(s)
                 else:
                     self._catalog.forget(s)  # the leader moves it aside
-        if corrupt:
+        if corrupt or linked:
             raise CorruptCheckpointError(
-                f"no valid checkpoint in {self.directory}: {corrupt} failed verification on "
-                "a rank (moved aside); restore() again starts from scratch",
+                f"no valid checkpoint in {self.directory}: {corrupt + linked} failed "
+                "verification on a rank" + (
+                    f"; {linked} hold a file with a second name (a hard link): left in place, "
+                    "not moved aside. Break the links (remove the linked copy, or replace it "
+                    "with one made by cp -a) and restore() again" if linked else
+                    " (moved aside); restore() again starts from scratch"),
                 checkpoint=self.directory)
         return None, None
 

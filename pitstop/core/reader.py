@@ -669,8 +669,12 @@ _STRUCTURAL = (errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EAC
 def _os_error(where: str, fname: str, e: OSError) -> CheckpointError:
     """A CheckpointError for an OSError met while reading ``fname`` of a checkpoint."""
     if isinstance(e, PermissionError) and e.errno is None:
-        # LocalStorage refusing a path that leads outside the checkpoint (a symlink)
-        return CorruptCheckpointError(f"{where}: {e}", checkpoint=where, file=fname)
+        # LocalStorage refusing a path that leads outside the checkpoint (a symlink), or a
+        # file with a second name: that one stays in place (``linked``)
+        err = CorruptCheckpointError(f"{where}: {e}", checkpoint=where, file=fname)
+        from .storage.local import LinkedFileError
+        err.linked = isinstance(e, LinkedFileError)
+        return err
     if e.errno in _STRUCTURAL:
         return CorruptCheckpointError(
             f"{where}: {fname} cannot be read ({e.strerror or e}): not the file the "

@@ -387,3 +387,60 @@ def test_a_checkpoint_of_an_abandoned_run_put_back_in_place_is_refused(tmp_path)
         m.save(3, small(3) | {"step": 33}).wait()  # the run goes on: a later seq
     with mgr(tmp_path) as m:
         assert m.restore(t) == 3 and t["step"] == 33
+
+
+def test_a_hard_link_backup_of_a_live_run_leaves_its_checkpoints_in_place(tmp_path):
+    """`cp -al run backup` (rsnapshot, rsync --link-dest) gives every file of the live run a
+    second name. Its checkpoints are refused (a linked file can change under them), but they
+    are not corrupt: restore() moved each aside as .corrupt- and said a second restore()
+    starts from scratch, so a restart loop silently began again at step 0. They stay in
+    place, restore() says why and how, and once the links are broken the run resumes."""
+    run = tmp_path / "run"
+    saved(run, steps=(1, 2))
+    backup = tmp_path / "backup"
+    subprocess.run(["cp", "-al", str(run), str(backup)], check=True)
+    for _ in range(2):  # a restart loop: the second try must not start from scratch
+        with mgr(run, read_only=True) as m, pytest.warns(UserWarning, match="2 names"):
+            with pytest.raises(pitstop.CorruptCheckpointError, match="hard link.*left in place"):
+                m.restore(small(0))
+    # a writer cannot tell where its saves come in the order (seq) from manifests it cannot
+    # read: it numbered the next save 1, below step 2's, and once the links were broken that
+    # save was refused as a replay (moved aside, step 2 restored). Now it says so at open.
+    with pytest.raises(pitstop.CheckpointError, match="2 names.*cannot tell where"):
+        mgr(run)
+    assert sorted(p.name for p in run.iterdir()) == [".pitstop", "step_0000000001",
+                                                      "step_0000000002"]
+    shutil.rmtree(backup)
+    saved(run, steps=(3,))
+    state = small(0)
+    with mgr(run) as m:
+        assert m.restore(state) == 3
+    assert state["step"] == 3
+
+
+def test_a_hard_link_backup_leaves_a_multi_rank_run_in_place(tmp_path):
+    """The same backup of a 2-rank plaintext run (an encrypted writer does not open while
+    its manifests are linked): the leader moved each checkpoint aside as corrupt and said a
+    second restore() starts from scratch."""
+    from thread_ranks import ranks
+    run = tmp_path / "run"
+
+    def job(rank, coord):
+        with mgr(run, None, distributed=coord) as m:
+            m.save(1, {**small(1), "mine": np.full(4, rank)}).wait()
+
+    ranks(2, job)
+    subprocess.run(["cp", "-al", str(run), str(tmp_path / "backup")], check=True)
+
+    def resume(rank, coord):
+        with mgr(run, None, distributed=coord) as m:
+            try:
+                m.restore({**small(0), "mine": np.zeros(4, int)})
+            except pitstop.CorruptCheckpointError as e:
+                return str(e)
+        return None
+
+    with pytest.warns(UserWarning, match="2 names"):
+        said = ranks(2, resume)
+    assert all(s and "left in place" in s for s in said), said
+    assert sorted(p.name for p in run.iterdir()) == [".pitstop", "step_0000000001"]

@@ -107,6 +107,12 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+class LinkedFileError(PermissionError):
+    """A checkpoint's file has a second name (a hard link): refused, but not corrupt (a
+    backup made with ``cp -al`` or ``rsync --link-dest`` links every file of a live run),
+    so restore() leaves the checkpoint in place."""
+
+
 def _check_own(st: os.stat_result, name: str, relpath: str) -> None:
     """A checkpoint's file is read only when it is a regular file of its own: not a FIFO,
     a device or a directory, and not a hard link (a second name of a file elsewhere, which
@@ -117,7 +123,7 @@ def _check_own(st: os.stat_result, name: str, relpath: str) -> None:
         raise PermissionError(f"{relpath!r} in checkpoint {name!r} is {_kind(st.st_mode)}, "
                               "not a regular file")
     if st.st_nlink > 1:
-        raise PermissionError(
+        raise LinkedFileError(
             f"{relpath!r} in checkpoint {name!r} has {st.st_nlink} names (a hard link to a "
             "file that is also elsewhere, not one pitstop wrote there): not read. A copy made "
             "with cp -al or rsync --link-dest links files; copy with cp -a (or rsync without "
