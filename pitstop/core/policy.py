@@ -105,11 +105,15 @@ class OnSteps:
         except TypeError:
             raise InvalidArgumentError(
                 f"OnSteps takes a collection of steps, got {steps!r}") from None
+        steps = set()
         for s in chosen:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            # numpy / JAX integers too (np.arange, as Orbax's save_on_steps takes them)
+            n = None if isinstance(s, (bool, float, str)) else getattr(s, "__index__", None)
+            if n is None or n() < 0:
                 raise InvalidArgumentError(
                     f"OnSteps: every step must be an int >= 0, got {s!r}")
-        self.steps = chosen
+            steps.add(int(n()))
+        self.steps = frozenset(steps)
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return step in self.steps and step != ctx.last_save_step

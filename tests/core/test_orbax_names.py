@@ -113,3 +113,17 @@ def test_a_step_that_can_never_save_says_so_once(tmp_path: Path,
             caplog.clear()
             mgr.step(0, state(0))
         assert not [r for r in caplog.records if "saves only on a signal" in r.getMessage()]
+
+
+def test_on_steps_takes_numpy_steps_as_orbax_save_on_steps_does(tmp_path: Path) -> None:
+    """``save_on_steps=set(np.arange(0, 100, 25))`` works in Orbax (its steps are hashed as
+    ints); ``OnSteps`` of the same numpy integers saves those steps (a float is refused)."""
+    import numpy as np
+    with manager(tmp_path / "d", save_policy=pitstop.OnSteps(np.arange(1, 7, 3))) as mgr:
+        for s in range(7):
+            mgr.step(s, state(s))
+        mgr.wait()
+        assert mgr.all_steps() == [1, 4]
+    assert pitstop.OnSteps({np.int64(3)}).steps == {3}
+    with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
+        pitstop.OnSteps([np.float32(3)])
