@@ -127,3 +127,29 @@ def test_on_steps_takes_numpy_steps_as_orbax_save_on_steps_does(tmp_path: Path) 
     assert pitstop.OnSteps({np.int64(3)}).steps == {3}
     with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
         pitstop.OnSteps([np.float32(3)])
+
+
+def test_should_save_is_agreed_by_every_rank_as_orbax_s(tmp_path: Path) -> None:
+    """Orbax's loop ``if mgr.should_save(step): mgr.save(step, ...)`` on every process (its
+    should_save is a preemption sync point of all processes): a signal one rank received, or
+    a rank's own interval, is every rank's answer, so the ranks save the same steps instead
+    of one rank waiting in a save the others never make."""
+    def job(rank: int, coord: Coordinator) -> Any:
+        mgr = pitstop.CheckpointManager(tmp_path / "ck", distributed=coord,
+                                        save_every_steps=3 if rank == 0 else 4,
+                                        save_on_signals=None, memory_tier=False)
+        try:
+            asked = []
+            for s in range(1, 6):
+                if rank == 1 and s == 2:
+                    mgr._signals.pending = signal.SIGUSR1  # ("checkpoint now")
+                asked.append(mgr.should_save(s))
+                if asked[-1]:
+                    mgr.save(s, state(s))
+            mgr.wait()
+            return asked, mgr.all_steps()
+        finally:
+            mgr._signals.pending = None
+            mgr.close()
+
+    assert ranks(2, job) == [([False, True, True, True, False], [2, 3, 4])] * 2
