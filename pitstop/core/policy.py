@@ -100,6 +100,12 @@ class OnSteps:
     ``save_every_steps`` too, the manager saves when either says so."""
 
     def __init__(self, steps: Any) -> None:
+        if isinstance(steps, range):  # kept as it is: ``in`` is O(1), as in Orbax's container
+            if steps and min(steps[0], steps[-1]) < 0:
+                raise InvalidArgumentError(
+                    f"OnSteps: every step must be an int >= 0, got {steps!r}")
+            self.steps: range | frozenset[int] = steps
+            return
         try:
             chosen = frozenset(steps)
         except TypeError:
@@ -119,6 +125,8 @@ class OnSteps:
         return step in self.steps and step != ctx.last_save_step
 
     def __repr__(self) -> str:
+        if isinstance(self.steps, range):
+            return f"OnSteps({self.steps!r})"
         return f"OnSteps({sorted(self.steps)})"
 
 

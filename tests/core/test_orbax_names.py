@@ -153,3 +153,19 @@ def test_should_save_is_agreed_by_every_rank_as_orbax_s(tmp_path: Path) -> None:
             mgr.close()
 
     assert ranks(2, job) == [([False, True, True, True, False], [2, 3, 4])] * 2
+
+
+def test_on_steps_of_a_huge_range_is_lazy_as_orbax_s_container(tmp_path: Path) -> None:
+    """Orbax's ``save_on_steps`` is any container (``step in steps``): a range of 10**15
+    steps costs nothing there; ``OnSteps`` of it is not materialised (before: a set of every
+    step, which never finishes)."""
+    every7 = pitstop.OnSteps(range(0, 10**15, 7))
+    with manager(tmp_path / "d", save_policy=every7) as mgr:
+        for s in range(9):
+            mgr.step(s, state(s))
+        mgr.wait()
+        assert mgr.all_steps() == [0, 7]
+    for bad in (range(-3, 5), range(5, -3, -1)):
+        with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
+            pitstop.OnSteps(bad)
+    assert pitstop.OnSteps(range(10, 0, -1)).steps == range(10, 0, -1)
