@@ -816,24 +816,29 @@ class CheckpointManager:
         ``should_save``): a save policy says so, or a signal was received, and the step has
         no checkpoint yet. It decides nothing and asks no other rank (``step()`` decides
         with them); a manager without ``save_every_steps`` / ``save_every_seconds`` /
-        ``mtbf_seconds`` / ``keep_best`` / ``save_policy`` says False but on a signal."""
+        ``mtbf_seconds`` / ``keep_best`` / ``save_policy`` says False but on a signal.
+
+        In a job of several ranks every rank calls it at the same step, as Orbax's (a sync
+        point of all processes): the ranks answer together, True when any rank's policy or
+        signal says so, so ``if mgr.should_save(s): mgr.save(s, state)`` saves on all."""
         self._check_usable()
         step = step_arg(step)
         engine = self._engine
         if engine is None or self._closed:
             return False  # read-only (as Orbax's read_only manager) or closed
-        if step in self._catalog.index or step in engine.pending_steps():
-            return False
-        if self._signals.pending is not None:
-            return True
-        if self._policy is None:
-            return False
-        ctx = self._ctx
-        clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
-        probe = SaveContext(last_save_step=ctx.last_save_step,
-                            last_save_time=ctx.last_save_time, now=time.monotonic(),
-                            metrics=clean or None, save_cost_s=ctx.save_cost_s)
-        return bool(self._policy.should_save(step, probe))
+        exists = step in self._catalog.index or step in engine.pending_steps()
+        want = self._signals.pending is not None
+        if not exists and not want and self._policy is not None:
+            ctx = self._ctx
+            clean = clean_metrics(metrics, self.best_metric) if metrics is not None else None
+            probe = SaveContext(last_save_step=ctx.last_save_step,
+                                last_save_time=ctx.last_save_time, now=time.monotonic(),
+                                metrics=clean or None, save_cost_s=ctx.save_cost_s)
+            want = bool(self._policy.should_save(step, probe))
+        if self._coord is not None:
+            any_want, problem, signal = self._agree(step, want, int(exists), "should_save")
+            return (any_want or bool(signal)) and not problem & 1
+        return want and not exists
 
     def best_step(self) -> int | None:
         """The checkpoint with the best ``best_metric`` (``best_mode``; the newest of equal

@@ -100,21 +100,33 @@ class OnSteps:
     ``save_every_steps`` too, the manager saves when either says so."""
 
     def __init__(self, steps: Any) -> None:
+        if isinstance(steps, range):  # kept as it is: ``in`` is O(1), as in Orbax's container
+            if steps and min(steps[0], steps[-1]) < 0:
+                raise InvalidArgumentError(
+                    f"OnSteps: every step must be an int >= 0, got {steps!r}")
+            self.steps: range | frozenset[int] = steps
+            return
         try:
             chosen = frozenset(steps)
         except TypeError:
             raise InvalidArgumentError(
                 f"OnSteps takes a collection of steps, got {steps!r}") from None
+        steps = set()
         for s in chosen:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            # numpy / JAX integers too (np.arange, as Orbax's save_on_steps takes them)
+            n = None if isinstance(s, (bool, float, str)) else getattr(s, "__index__", None)
+            if n is None or n() < 0:
                 raise InvalidArgumentError(
                     f"OnSteps: every step must be an int >= 0, got {s!r}")
-        self.steps = chosen
+            steps.add(int(n()))
+        self.steps = frozenset(steps)
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return step in self.steps and step != ctx.last_save_step
 
     def __repr__(self) -> str:
+        if isinstance(self.steps, range):
+            return f"OnSteps({self.steps!r})"
         return f"OnSteps({sorted(self.steps)})"
 
 

@@ -113,3 +113,59 @@ def test_a_step_that_can_never_save_says_so_once(tmp_path: Path,
             caplog.clear()
             mgr.step(0, state(0))
         assert not [r for r in caplog.records if "saves only on a signal" in r.getMessage()]
+
+
+def test_on_steps_takes_numpy_steps_as_orbax_save_on_steps_does(tmp_path: Path) -> None:
+    """``save_on_steps=set(np.arange(0, 100, 25))`` works in Orbax (its steps are hashed as
+    ints); ``OnSteps`` of the same numpy integers saves those steps (a float is refused)."""
+    import numpy as np
+    with manager(tmp_path / "d", save_policy=pitstop.OnSteps(np.arange(1, 7, 3))) as mgr:
+        for s in range(7):
+            mgr.step(s, state(s))
+        mgr.wait()
+        assert mgr.all_steps() == [1, 4]
+    assert pitstop.OnSteps({np.int64(3)}).steps == {3}
+    with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
+        pitstop.OnSteps([np.float32(3)])
+
+
+def test_should_save_is_agreed_by_every_rank_as_orbax_s(tmp_path: Path) -> None:
+    """Orbax's loop ``if mgr.should_save(step): mgr.save(step, ...)`` on every process (its
+    should_save is a preemption sync point of all processes): a signal one rank received, or
+    a rank's own interval, is every rank's answer, so the ranks save the same steps instead
+    of one rank waiting in a save the others never make."""
+    def job(rank: int, coord: Coordinator) -> Any:
+        mgr = pitstop.CheckpointManager(tmp_path / "ck", distributed=coord,
+                                        save_every_steps=3 if rank == 0 else 4,
+                                        save_on_signals=None, memory_tier=False)
+        try:
+            asked = []
+            for s in range(1, 6):
+                if rank == 1 and s == 2:
+                    mgr._signals.pending = signal.SIGUSR1  # ("checkpoint now")
+                asked.append(mgr.should_save(s))
+                if asked[-1]:
+                    mgr.save(s, state(s))
+            mgr.wait()
+            return asked, mgr.all_steps()
+        finally:
+            mgr._signals.pending = None
+            mgr.close()
+
+    assert ranks(2, job) == [([False, True, True, True, False], [2, 3, 4])] * 2
+
+
+def test_on_steps_of_a_huge_range_is_lazy_as_orbax_s_container(tmp_path: Path) -> None:
+    """Orbax's ``save_on_steps`` is any container (``step in steps``): a range of 10**15
+    steps costs nothing there; ``OnSteps`` of it is not materialised (before: a set of every
+    step, which never finishes)."""
+    every7 = pitstop.OnSteps(range(0, 10**15, 7))
+    with manager(tmp_path / "d", save_policy=every7) as mgr:
+        for s in range(9):
+            mgr.step(s, state(s))
+        mgr.wait()
+        assert mgr.all_steps() == [0, 7]
+    for bad in (range(-3, 5), range(5, -3, -1)):
+        with pytest.raises(pitstop.InvalidArgumentError, match="OnSteps"):
+            pitstop.OnSteps(bad)
+    assert pitstop.OnSteps(range(10, 0, -1)).steps == range(10, 0, -1)

@@ -200,3 +200,58 @@ def test_reached_preemption_is_a_signal_pitstop_saves_on(tmp_path: Path) -> None
             assert reader.all_steps() == [0, 1]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def row_kwargs(orbax_cell: str) -> dict[str, Any]:
+    """The keyword arguments the Orbax section of docs/migration.md gives, in the first code
+    span of the pitstop column, for the row whose Orbax column starts with ``orbax_cell``:
+    the row copied literally."""
+    import re
+    text = (Path(__file__).parents[2] / "docs" / "migration.md").read_text()
+    section = text.split("## From Orbax", 1)[1]
+    for line in section.splitlines():
+        cells = line.split(" | ")
+        if line.startswith(f"| `{orbax_cell}") and len(cells) >= 2:
+            span = re.search(r"`([^`]*)`", cells[1]).group(1)  # type: ignore[union-attr]
+            span = span.removeprefix("pitstop.CheckpointManager(dir, ").removesuffix(")")
+            return eval(f"dict({span})", {"pitstop": pitstop})  # noqa: S307 (our own docs)
+    raise AssertionError(f"no row for {orbax_cell!r} in docs/migration.md")
+
+
+@pytest.mark.parametrize("cell", ["ocp.CheckpointManagerOptions(max_to_keep=3)",
+                                  "best_fn="])
+def test_the_rows_copied_literally_keep_orbax_steps_while_saves_persist(
+        tmp_path: Path, cell: str) -> None:
+    """The pitstop column of a row, copied as it is, with each save still persisting when
+    the next step is due (its write held until the loop is at that step), as on a real
+    disk: the same steps as Orbax's loop (whose save waits for the one in flight), nothing
+    skipped."""
+    kwargs = row_kwargs(cell)
+    best = cell == "best_fn="
+    released: set[int] = set()
+    import threading
+    cond = threading.Condition()
+
+    def hold(step: int) -> None:
+        with cond:
+            assert cond.wait_for(lambda: step in released, 60), step
+
+    with pitstop.CheckpointManager(tmp_path / "p", save_on_signals=None, memory_tier=False,
+                                   **kwargs) as m:
+        m.hooks["before_write"] = hold
+        for s in range(10):
+            with cond:
+                released.add(s - 1)
+                cond.notify_all()
+            m.step(s, state_at(s), {"loss": LOSSES[s]} if best else None)
+        with cond:
+            released.add(9)
+            cond.notify_all()
+        m.wait_until_finished()
+        assert m.skipped_saves == 0
+        kept = m.all_steps()
+    loss: Callable[[Any], float] = lambda m: m["loss"]  # noqa: E731
+    theirs = orbax_loop(tmp_path / "o", range(10), metrics=best, max_to_keep=3,
+                        **({"best_fn": loss, "best_mode": "min"} if best else {}))
+    # (keep_best: pitstop also keeps the newest, 9, which is one of Orbax's best here)
+    assert kept == theirs["kept"] == ([3, 5, 9] if best else [7, 8, 9])

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import keras
@@ -317,3 +318,33 @@ def test_a_failed_fit_returns_with_its_backups_committed(tmp_path, caplog) -> No
     # the callback is usable again: a new fit() starts from scratch and completes
     hist = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[cbk])
     assert hist.epoch == [0, 1] and not backup_dir.exists()
+
+
+def test_a_fit_says_nothing_about_save_policies(tmp_path) -> None:
+    """The callback decides its own saves (``save_freq``) and gives its manager no save
+    policy; the manager's "step() saves only on a signal" warning, meant for a manager a
+    user made without an interval, is not for a Keras user, who has no such argument."""
+    model, (x, y) = make_model(), data()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[BackupAndRestore(tmp_path / "b", save_freq="epoch")])
+    assert not [w for w in seen if "saves only on a signal" in str(w.message)]
+
+
+def test_a_fit_failing_in_a_later_on_train_begin_leaves_the_folder_free(tmp_path) -> None:
+    """A callback after ours that raises in its ``on_train_begin`` ends fit() before any
+    batch: the backup folder is released (before: a second BackupAndRestore on it in this
+    process got DirectoryLockedError naming this process's own pid)."""
+    class Refuses(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            raise RuntimeError("refused")
+
+    model, (x, y) = make_model(), data()
+    first, later = BackupAndRestore(tmp_path / "b"), Refuses()
+    with pytest.raises(RuntimeError, match="refused"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[first, later])
+    assert "on_train_begin" not in vars(later)  # (put back)
+    hist = make_model().fit(x, y, batch_size=4, epochs=2, verbose=0,
+                            callbacks=[BackupAndRestore(tmp_path / "b")])
+    assert hist.epoch == [0, 1]

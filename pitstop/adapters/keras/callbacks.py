@@ -365,12 +365,18 @@ class _FitGuard:
         self._failed = False
         self.hides = False
 
-    def install(self, callbacks: Any, model: Any) -> None:
+    def install(self, callbacks: Any, model: Any, owner: Any = None) -> None:
         if callbacks is not None:
             self.hides = True
             for name in _GUARDED_HOOKS:
                 self._wrap(callbacks, name, name in ("on_train_batch_begin",
                                                      "on_train_batch_end"))
+            # the callbacks after ``owner`` are yet to run their on_train_begin (the list's
+            # own call is under way: ours is one of it): a failure there ends fit() too
+            later = list(getattr(callbacks, "callbacks", ()))
+            at = next((i for i, c in enumerate(later) if c is owner), None)
+            for c in later[at + 1:] if at is not None else ():
+                self._wrap(c, "on_train_begin", False)
         if getattr(model, "train_function", None) is not None:
             self._wrap(model, "train_function", False)
         self._wrap(model, "evaluate", False)
@@ -573,6 +579,10 @@ class BackupAndRestore(_KerasBackupAndRestore):
                                     "on_busy": "wait", "save_policy": OnSteps(())}
             opts.update(self.manager_options)
             self._mgr = CheckpointManager(self.backup_dir, **opts)
+            # this callback decides its saves (save_freq) and calls step() at the other
+            # batches only for a signal's save: the manager's "step() saves only on a
+            # signal" advice is for a manager a user made without an interval, not this one
+            self._mgr._warned.add("no-policy")
         return self._mgr
 
     # ------------------------------------------------------------------ restore
@@ -585,7 +595,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
                 "on a batch of data.")
         self._end_fit()  # (an earlier fit() that ended where no hook of ours saw it)
         self._guard = _FitGuard(self._fit_failed, self._hidden)
-        self._guard.install(_callback_list(self), model)
+        self._guard.install(_callback_list(self), model, self)
         try:
             self._begin(model)
         except BaseException:
