@@ -579,10 +579,6 @@ class BackupAndRestore(_KerasBackupAndRestore):
                                     "on_busy": "wait", "save_policy": OnSteps(())}
             opts.update(self.manager_options)
             self._mgr = CheckpointManager(self.backup_dir, **opts)
-            # this callback decides its saves (save_freq) and calls step() at the other
-            # batches only for a signal's save: the manager's "step() saves only on a
-            # signal" advice is for a manager a user made without an interval, not this one
-            self._mgr._warned.add("no-policy")
         return self._mgr
 
     # ------------------------------------------------------------------ restore
