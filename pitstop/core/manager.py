@@ -91,7 +91,7 @@ from .policy import (
     SavePolicy,
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
-from .recovery import Recovered, recover, recoverable_steps
+from .recovery import Recovered, discard, recover, recoverable_steps
 from .signals import (
     CONTINUE_SIGNALS,
     DEFAULT_SIGNALS,
@@ -450,6 +450,13 @@ class CheckpointManager:
                 self._recovered_all = recover(tier, self.pool, self._engine,
                                               committed[-1] if committed else None)
                 self._res.recovered = self._recovered_all
+            elif memory_tier is False and (shm := memtier_mod.default_root()) is not None:
+                # a killed job's snapshots would stay in /dev/shm for ever
+                committed = self._catalog.committed_steps()
+                discard(MemoryTier(shm, self.directory, self.directory_id,
+                                   part="" if coord is None else
+                                   f"rank {coord.rank} of {coord.world_size}"),
+                        committed[-1] if committed else None)
             self._ctx = SaveContext(last_save_step=self.latest_step())
         except BaseException:
             self._finalizer.detach()
