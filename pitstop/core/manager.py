@@ -539,7 +539,28 @@ class CheckpointManager:
         engine = self._writer()
         step = step_arg(step)
         fence_all()
-        engine.raise_pending()
+        try:
+            engine.raise_pending()
+        except CheckpointError as earlier:
+            # an earlier save failed: it is reported here, and this save is still attempted
+            # (a loop that catches the error and goes on must not lose every other save)
+            try:
+                handle = self._save_now(engine, step, state, metrics, user_metadata)
+            except CheckpointError as own:
+                earlier.add_note(f"pitstop: step {step} was not saved either ({own}); call "
+                                 f"save({step}, ...) again once the cause is fixed")
+                raise earlier  # noqa: B904 (the earlier failure is what this call reports)
+            earlier.handle = handle  # type: ignore[attr-defined]
+            earlier.add_note(f"pitstop: this save() reports that earlier failure; its own "
+                             f"step {step} was accepted all the same (its handle is the "
+                             "error's .handle)")
+            raise
+        return self._save_now(engine, step, state, metrics, user_metadata)
+
+    def _save_now(self, engine: Engine, step: int, state: Any,
+                  metrics: Mapping[str, Any] | None,
+                  user_metadata: Mapping[str, Any] | None) -> SaveHandle:
+        """:meth:`save` once the earlier failures are reported."""
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
         agreed = 0
