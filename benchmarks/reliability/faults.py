@@ -109,6 +109,8 @@ class _Saves:
                 return True
         except pitstop.CheckpointError as e:  # the next save()/step() reports a failure
             self.raised.append(e)
+            if getattr(e, "handle", None) is not None:  # save() attempted its own step too
+                self.handles[step] = e.handle
             return False
         except Exception as e:  # noqa: BLE001 - a raw error escaped: counted
             self.res.fail(f"{self.where}: save({step}) raised {type(e).__name__}: {e}")
@@ -227,7 +229,7 @@ def _full_disk_trial(res: Result, seed: int, t: int, mnt: Path) -> None:
                 if not ok_:
                     break
             failed = saves.settle(mgr)
-            n_of = {s: n_of[s] for s in saves.handles}  # (a save() that raised took nothing)
+            n_of = {s: n_of[s] for s in saves.handles}  # (a save() that raised: its e.handle)
             if not failed:
                 res.fail(f"{where}: the disk never filled in {step} saves")
                 return

@@ -368,7 +368,11 @@ def _scan(storage: Storage) -> Listing:
             continue
         if naming.parse_tmp(entry) is not None:
             # pitstop's temporaries are directories; a file or link of that name is not one
-            (out.tmp if _kind(path) == stat.S_IFDIR else out.foreign).append(entry)
+            # (a symlinked step that retention was deleting leaves its link: the link alone
+            # is pitstop's, removed without following it)
+            ours = _kind(path) == stat.S_IFDIR or (
+                entry.startswith(".tmp-deleting-") and _kind(path) == stat.S_IFLNK)
+            (out.tmp if ours else out.foreign).append(entry)
             continue
         if entry.startswith("."):
             if os.path.isdir(os.path.join(path, META_DIR)) and not os.path.islink(path):
@@ -1386,8 +1390,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 continue
             path = os.path.join(loc, rel)
             try:
-                if rel.startswith(META_DIR + "/"):
-                    os.unlink(path)
+                if rel.startswith(META_DIR + "/") or _kind(path) == stat.S_IFLNK:
+                    os.unlink(path)  # (a link: never followed)
                 else:
                     shutil.rmtree(path)
             except FileNotFoundError:

@@ -91,7 +91,7 @@ from .policy import (
     SavePolicy,
 )
 from .reader import CheckpointReader, RestoredStep, RestoreReport
-from .recovery import Recovered, recover, recoverable_steps
+from .recovery import Recovered, discard, recover, recoverable_steps
 from .signals import (
     CONTINUE_SIGNALS,
     DEFAULT_SIGNALS,
@@ -451,6 +451,13 @@ class CheckpointManager:
                 self._recovered_all = recover(tier, self.pool, self._engine,
                                               committed[-1] if committed else None)
                 self._res.recovered = self._recovered_all
+            elif memory_tier is False and (shm := memtier_mod.default_root()) is not None:
+                # a killed job's snapshots would stay in /dev/shm for ever
+                committed = self._catalog.committed_steps()
+                discard(MemoryTier(shm, self.directory, self.directory_id,
+                                   part="" if coord is None else
+                                   f"rank {coord.rank} of {coord.world_size}"),
+                        committed[-1] if committed else None)
             self._ctx = SaveContext(last_save_step=self.latest_step())
         except BaseException:
             self._finalizer.detach()
@@ -533,7 +540,28 @@ class CheckpointManager:
         engine = self._writer()
         step = step_arg(step)
         fence_all()
-        engine.raise_pending()
+        try:
+            engine.raise_pending()
+        except CheckpointError as earlier:
+            # an earlier save failed: it is reported here, and this save is still attempted
+            # (a loop that catches the error and goes on must not lose every other save)
+            try:
+                handle = self._save_now(engine, step, state, metrics, user_metadata)
+            except CheckpointError as own:
+                earlier.add_note(f"pitstop: step {step} was not saved either ({own}); call "
+                                 f"save({step}, ...) again once the cause is fixed")
+                raise earlier  # noqa: B904 (the earlier failure is what this call reports)
+            earlier.handle = handle  # type: ignore[attr-defined]
+            earlier.add_note(f"pitstop: this save() reports that earlier failure; its own "
+                             f"step {step} was accepted all the same (its handle is the "
+                             "error's .handle)")
+            raise
+        return self._save_now(engine, step, state, metrics, user_metadata)
+
+    def _save_now(self, engine: Engine, step: int, state: Any,
+                  metrics: Mapping[str, Any] | None,
+                  user_metadata: Mapping[str, Any] | None) -> SaveHandle:
+        """:meth:`save` once the earlier failures are reported."""
         if self._rolled_back_to is not None:
             self._abandon_newer_than(self._rolled_back_to)
         agreed = 0

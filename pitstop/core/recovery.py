@@ -40,6 +40,23 @@ def recoverable_steps(tier: MemoryTier, newest_committed: int | None) -> set[int
             if tier.trusted(meta, newest_committed) is None}
 
 
+def discard(tier: MemoryTier, newest_committed: int | None) -> None:
+    """Remove the tier files a killed job left for a manager opened with
+    ``memory_tier=False``: it never reads them, and nothing else would ever remove them.
+    A snapshot newer than what is committed (a save that had returned) is named in a
+    warning, with how to recover it instead."""
+    lost = sorted(recoverable_steps(tier, newest_committed))
+    files = tier.files()
+    if not files:
+        return
+    if lost:
+        log.warning("pitstop: memory_tier=False: removed the memory-tier snapshot of step(s) "
+                    "%s that a killed job left in %s, newer than the newest committed step %s; "
+                    "open the directory with memory_tier=True (the default) to recover such a "
+                    "snapshot instead", ", ".join(map(str, lost)), tier.root, newest_committed)
+    tier.remove_all()
+
+
 def recover(tier: MemoryTier, pool: StagingPool, engine: Engine,
             newest_committed: int | None, only: set[int] | None = None) -> list[Recovered]:
     """Adopt every trusted snapshot of ``tier`` newer than what is committed (oldest first;

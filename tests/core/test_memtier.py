@@ -506,3 +506,17 @@ def test_a_tier_that_fills_up_later_never_fails_a_save(tmp_path, caplog):
                    for r in caplog.records)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_memory_tier_off_removes_the_snapshot_a_killed_job_left(tmp_path, cleanup_shm, caplog):
+    """A job killed mid-persist leaves its snapshot in /dev/shm; the next manager, opened
+    with memory_tier=False, never read or removed it (it stayed until a reboot). Now it is
+    removed, and the lost step is named with how to recover it instead."""
+    d = tmp_path / "ckpt"
+    ident = crash_during_persist(d, [1], 2)
+    cleanup_shm.append(ident)
+    assert tier_files(ident)
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        open_mgr(d, memory_tier=False).close()
+    assert tier_files(ident) == []
+    assert "step(s) 2" in caplog.text and "memory_tier=True" in caplog.text, caplog.text

@@ -292,3 +292,31 @@ def test_a_committed_save_is_reported_committed_when_bookkeeping_fails(tmp_path,
         assert json.loads(index.read_text())["checkpoints"].keys() == {"2"}
         assert mgr.all_steps() == [2]
     assert listing(d) == sorted([".pitstop", step_name(2)])
+
+
+def test_retention_of_a_symlinked_step_leaves_no_dangling_link(tmp_path):
+    """A step moved to another disk and symlinked back: retention removed the link's
+    contents through ``rmtree`` (which refuses a link, errors ignored), leaving a
+    ``.tmp-deleting-…`` link for ever; neither the next writer nor ``pitstop gc`` removed it.
+    Now the link alone goes (its target is never deleted through it), and a link left by
+    an older version is removed by the next writer and by gc."""
+    import pitstop.cli
+    d = tmp_path / "run"
+    elsewhere = tmp_path / "other_disk"
+    with open_mgr(d, keep_last=1) as mgr:
+        mgr.save(1, state_of(1)).wait()
+        shutil.move(d / step_name(1), elsewhere)
+        os.symlink(elsewhere, d / step_name(1))
+        mgr.save(2, state_of(2)).wait()
+    assert sorted(os.listdir(d)) == [".pitstop", step_name(2)]
+    assert (elsewhere / "manifest.json").exists()  # never deleted through the link
+    # links an older version left (one dangling): the next writer removes them, and gc
+    for name in (".tmp-deleting-step_0000000001-0123abcd",
+                 ".tmp-deleting-step_0000000003-0123abcd"):
+        os.symlink(elsewhere if "01-" in name else tmp_path / "gone", d / name)
+    open_mgr(d, keep_last=1).close()
+    assert sorted(os.listdir(d)) == [".pitstop", step_name(2)]
+    os.symlink(tmp_path / "gone", d / ".tmp-deleting-step_0000000004-0123abcd")
+    assert pitstop.cli.main(["gc", str(d)]) == 0
+    assert sorted(os.listdir(d)) == [".pitstop", step_name(2)]
+    assert (elsewhere / "manifest.json").exists()

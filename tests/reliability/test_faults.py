@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -169,3 +170,44 @@ def test_an_io_error_in_the_middle_of_a_restore_says_what_it_overwrote(tmp_path)
         assert mgr.restore(target) == 1
         for k in state:
             np.testing.assert_array_equal(target[k], state[k])
+
+
+class _Outage(faults.FaultyStorage):
+    """Every save fails while ``down`` (a directory made immutable)."""
+
+    down = False
+    begun: list[str] = []
+
+    def begin(self, name):
+        self.begun.append(name)
+        if self.down:
+            raise OSError(errno.EPERM, "Operation not permitted (injected outage)")
+        return super().begin(name)
+
+
+def test_a_loop_that_catches_save_errors_through_an_outage_loses_no_attempt(tmp_path):
+    """The save() that reports an earlier background failure raised before attempting its
+    own step, so a loop that catches the error and goes on lost every other save of an
+    outage (and the first one after it). Now every step is attempted, and the error says so
+    and carries the accepted step's handle."""
+    storage = _Outage(str(tmp_path / "run"))
+    storage.begun = []
+    with pitstop.CheckpointManager(storage, memory_tier=False, save_on_signals=None) as mgr:
+        storage.down = True
+        handles, reported = {}, []
+        for s in range(1, 6):
+            if s == 5:
+                storage.down = False
+            try:
+                handles[s] = mgr.save(s, {"w": np.full(4, float(s))})
+            except pitstop.CheckpointError as e:
+                reported.append(e)
+                handles[s] = e.handle
+                assert any(f"step {s} was accepted" in n for n in e.__notes__), e.__notes__
+            while not handles[s].done():  # (wait() would report the failure itself)
+                time.sleep(0.01)
+        assert handles[5].result().step == 5
+    assert storage.begun == [
+        "step_0000000001", "step_0000000002", "step_0000000003", "step_0000000004",
+        "step_0000000005"], storage.begun
+    assert len(reported) == 4

@@ -402,3 +402,42 @@ def test_a_whole_checkpoint_state_gets_the_live_container_types(manager):
     assert type(t2.counts) is collections.Counter and t2.counts == {"y": 3}
     assert type(t2.best) is Best and float(t2.best.loss) == 0.5
     assert type(t2.steps) is Steps and t2.steps.unit == "it"
+
+
+def test_refusals_of_a_stream_loader_and_a_meta_tensor_give_advice_that_works(tmp_path):
+    """A plain DataLoader over an IterableDataset was told "use ResumableLoader", which then
+    refuses that dataset; a meta tensor was told ".dequantize(), .to_padded_tensor(0)"
+    (quantized and nested fixes). Each now gets the fix that fits it, and the advised one
+    (the dataset's own state_dict, in the state) really resumes."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __init__(self) -> None:
+            self.pos = 0
+
+        def __iter__(self):
+            return iter(range(self.pos, 10))
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, sd) -> None:
+            self.pos = sd["pos"]
+
+    with pitstop.CheckpointManager(tmp_path / "run", memory_tier=False,
+                                   save_on_signals=None) as mgr:
+        with pytest.raises(pitstop.CheckpointError) as info:
+            mgr.save(1, {"loader": DataLoader(Stream())})
+        msg = str(info.value)
+        assert "ResumableLoader" not in msg and "IterableDataset" in msg, msg
+        assert "state_dict()" in msg and "StatefulDataLoader" in msg, msg
+        with pytest.raises(pitstop.CheckpointError) as info:
+            mgr.save(1, {"w": torch.empty(3, device="meta")})
+        msg = str(info.value)
+        assert "dequantize" not in msg and "to_padded_tensor" not in msg, msg
+        assert "to_empty" in msg, msg
+        stream = Stream()
+        stream.pos = 4
+        mgr.save(2, {"data": stream}).wait()  # the advice: the dataset's own state
+        back = Stream()
+        assert mgr.restore({"data": back}) == 2 and list(back) == [4, 5, 6, 7, 8, 9]

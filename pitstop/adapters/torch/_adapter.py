@@ -593,6 +593,16 @@ class DataLoaderHint:
             getattr(obj, "state_dict", None))
 
     def capture(self, obj: Any) -> Any:
+        from torch.utils.data import IterableDataset
+        if isinstance(getattr(obj, "dataset", None), IterableDataset):
+            # ResumableLoader needs a map-style dataset: it would refuse this one
+            raise UnsupportedStateError(
+                f"a {type(obj).__name__} over an IterableDataset "
+                f"({type(obj.dataset).__name__}) has no state to save, so a resumed run "
+                "would restart the stream. Save the dataset's own position instead: give it "
+                "state_dict()/load_state_dict() and put the dataset in the state, or use "
+                "torchdata's StatefulDataLoader (pip install torchdata; its state_dict() "
+                "is saved); or leave the loader out of the state.")
         raise UnsupportedStateError(
             f"a {type(obj).__name__} has no state to save, so a resumed run would restart the "
             "epoch. Use pitstop.adapters.torch.ResumableLoader (DataLoader's arguments plus "

@@ -126,10 +126,13 @@ class TensorLeaf(ArrayLeaf):
         if tensor.is_quantized or tensor.is_nested or tensor.device.type == "meta":
             kind = ("quantized" if tensor.is_quantized else "nested" if tensor.is_nested
                     else "on the meta device (it holds no data)")
+            fix = (".dequantize() (or .int_repr())" if tensor.is_quantized else
+                   ".to_padded_tensor(0), or .unbind() into a list" if tensor.is_nested else
+                   "module.to_empty(device=...) then reset_parameters() (or load real "
+                   "weights into it)")
             raise UnsupportedStateError(
                 f"{named(where)} is {kind}; pitstop saves dense tensors with data. "
-                "Materialize it (e.g. .dequantize(), .to_padded_tensor(0), or run "
-                "reset_parameters()/to_empty() before saving).")
+                f"Materialize it before saving: {fix}.")
         if type(tensor).__name__ == "ShardedTensor":
             raise UnsupportedStateError(
                 f"{named(where)} is a ShardedTensor (deprecated by torch); convert the model "

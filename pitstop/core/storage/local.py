@@ -97,6 +97,19 @@ def _is(path: str, kind: Any) -> bool:
         return False
 
 
+_DELETING = tmp_name("x", "0" * 8, deleting=True).split("x")[0]  # ".tmp-deleting-"
+
+
+def _remove_trash(path: str) -> None:
+    """Remove a deletion's (or save's) leftover: a directory with its contents; a checkpoint
+    that was a symlink (a step moved to another disk) only as the link, never through it."""
+    if _is(path, stat.S_ISLNK):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _kind(mode: int) -> str:
     """What a non-regular file is, for messages."""
     for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
@@ -324,7 +337,7 @@ class LocalStorage(Storage):
         # half-deleted directory that looks committed.
         trash = os.path.join(self.location, tmp_name(name, uuid.uuid4().hex[:8], deleting=True))
         os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_trash(trash)
 
     def delete_if_unread(self, name: str) -> bool:
         """Delete ``name`` unless a reader (any process) holds its read lease."""
@@ -392,8 +405,11 @@ class LocalStorage(Storage):
         removed = []
         for entry in os.listdir(self.location):
             path = os.path.join(self.location, entry)
-            if naming.parse_tmp(entry) is not None and _is(path, stat.S_ISDIR):
-                shutil.rmtree(path, ignore_errors=True)
+            if naming.parse_tmp(entry) is None:
+                continue
+            if _is(path, stat.S_ISDIR) or (entry.startswith(_DELETING)
+                                           and _is(path, stat.S_ISLNK)):
+                _remove_trash(path)
                 if not os.path.lexists(path):
                     removed.append(entry)
         meta = os.path.join(self.location, META_DIR)
