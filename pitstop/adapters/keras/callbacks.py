@@ -366,6 +366,30 @@ class _FitGuard:
         self._wrapped.append((obj, name, own, real))
         setattr(obj, name, call)
 
+    def watch_input(self, it: Any) -> None:
+        """Also watch fit()'s reading of its input: on torch the batches are read outside
+        the train step (``EpochIterator.__next__``, within its ``catch_stop_iteration()``),
+        so an exception of the data pipeline reaches neither a hook nor the train step."""
+        if it is None or not callable(getattr(it, "catch_stop_iteration", None)):
+            return
+        real, guard = it.catch_stop_iteration, self
+
+        class Watched:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self._inner = real(*args, **kwargs)
+
+            def __enter__(self) -> Any:
+                return self._inner.__enter__()
+
+            def __exit__(self, kind: Any, e: Any, tb: Any) -> Any:
+                if e is not None and not _ends_the_data(e):
+                    guard.fail()
+                return self._inner.__exit__(kind, e, tb)
+
+        self._wrapped.append((it, "catch_stop_iteration", "catch_stop_iteration" in vars(it),
+                              real))
+        it.catch_stop_iteration = Watched
+
     def fail(self) -> None:
         if not self._failed:
             self._failed = True
@@ -423,6 +447,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._real_train_function: Any = None
         self._metrics_pending: list[Any] | None = None
         self._guard: _FitGuard | None = None
+        self._guard_warned = False  # whether it said once that the guard steps aside
         self._pass_left = [0]     # train calls still to pass over in the resumed epoch
         self._passed = False      # whether the latest train call passed over its batches
 
@@ -453,6 +478,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
                                     "on_busy": "wait"}
             opts.update(self.manager_options)
             self._mgr = CheckpointManager(self.backup_dir, **opts)
+            # this callback decides its saves (save_freq) and calls step() only for the
+            # signal saves: the manager's "step() saves only on a signal" is no news here
+            self._mgr._warned.add("no-policy")
         return self._mgr
 
     # ------------------------------------------------------------------ restore
@@ -466,8 +494,19 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._end_fit()  # (an earlier fit() that ended where no hook of ours saw it)
         self._guard = _FitGuard(self._fit_failed, self._hidden)
         self._guard.install(_callback_list(self), model)
+        if not self._guard.hides and not self._guard_warned:
+            self._guard_warned = True
+            warnings.warn(
+                "pitstop: BackupAndRestore cannot find the callback list through which this "
+                "Keras's fit() calls its callbacks (its internals differ from the ones pitstop "
+                "knows): on a mid-epoch resume the batches passed over still reach the other "
+                "callbacks, shown the restored model, and a fit() ended by an exception of "
+                "another callback may return before the backups are committed (call "
+                "backup.wait() before touching backup_dir). Resuming itself is unaffected.",
+                UserWarning, stacklevel=2)
         try:
             self._begin(model)
+            self._guard.watch_input(self._it)
         except BaseException:
             self._end_fit()
             raise
