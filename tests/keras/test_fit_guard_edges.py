@@ -108,3 +108,32 @@ def test_a_plain_fit_gives_no_warning(tmp_path) -> None:
         make_model().fit(x, y, batch_size=4, epochs=2, verbose=0,
                          callbacks=[BackupAndRestore(tmp_path / "b", save_freq=2)])
     assert not [str(m.message) for m in w if "pitstop" in str(m.message)]
+
+
+class RaiseAtTrainEnd(keras.callbacks.Callback):
+    """Placed before a BackupAndRestore: its on_train_end raises (an upload that failed),
+    so Keras never calls the backup's own on_train_end."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+
+    def on_train_end(self, logs=None):
+        self.release.set()
+        raise RuntimeError("the upload failed")
+
+
+def test_a_fit_failed_in_an_earlier_on_train_end_returns_with_its_backups_committed(
+        tmp_path) -> None:
+    backup_dir, release = tmp_path / "backup", threading.Event()
+    cbk = BackupAndRestore(backup_dir, save_freq="epoch", delete_checkpoint=False)
+    model = make_model()
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(12, 3).astype("float32"), rs.rand(12, 1).astype("float32")
+    with pytest.raises(RuntimeError, match="the upload failed"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[RaiseAtTrainEnd(release), cbk, Hold(cbk, release)])
+    assert cbk._mgr is None, "fit() returned with its backup manager open (a write in flight)"
+    assert [p.name for p in backup_dir.iterdir() if p.name.startswith("step_")] \
+        == ["step_0000000003"]
+    assert model.train_function is None or "call" not in model.train_function.__name__

@@ -302,9 +302,11 @@ def _epoch_iterator() -> Any:
 
 
 #: fit()'s calls into its callbacks that a guard wraps (see _FitGuard)
+#: (on_train_end too: a callback before this one that raises there ends fit() before this
+#: one's on_train_end commits the backups)
 _GUARDED_HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
                   "on_train_batch_end", "on_test_begin", "on_test_end",
-                  "on_test_batch_begin", "on_test_batch_end")
+                  "on_test_batch_begin", "on_test_batch_end", "on_train_end")
 
 
 def _callback_list(cb: Any) -> Any:
