@@ -137,3 +137,36 @@ def test_a_fit_failed_in_an_earlier_on_train_end_returns_with_its_backups_commit
     assert [p.name for p in backup_dir.iterdir() if p.name.startswith("step_")] \
         == ["step_0000000003"]
     assert model.train_function is None or "call" not in model.train_function.__name__
+
+
+def test_a_backup_at_an_epochs_last_batch_does_not_end_that_epoch_twice(tmp_path) -> None:
+    """save_freq=5 over 10-batch epochs: a backup falls on each epoch's last batch. Killed in
+    epoch 1 before its next backup, the resumed fit() must not end epoch 0 again: a
+    CSVLogger(append=True) keeps one row per epoch, as a fit() never interrupted writes."""
+    import csv as csvmod
+
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(40, 3).astype("float32"), rs.rand(40, 1).astype("float32")
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.params and batch == 2 and self.epoch == 1:
+                raise RuntimeError("interrupted")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    def rows(path) -> list[list[str]]:
+        with open(path) as f:
+            return list(csvmod.reader(f))
+
+    kw = dict(batch_size=4, epochs=2, verbose=0, validation_data=(x[:8], y[:8]))
+    cbk, log = BackupAndRestore(tmp_path / "b", save_freq=5), tmp_path / "log.csv"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        make_model().fit(x, y, callbacks=[cbk, keras.callbacks.CSVLogger(log, append=True),
+                                          Stop()], **kw)
+    make_model().fit(x, y, callbacks=[cbk, keras.callbacks.CSVLogger(log, append=True)], **kw)
+    full = tmp_path / "full.csv"
+    make_model().fit(x, y, callbacks=[BackupAndRestore(tmp_path / "c", save_freq=5),
+                                      keras.callbacks.CSVLogger(full)], **kw)
+    assert rows(log) == rows(full)

@@ -450,6 +450,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._metrics_pending: list[Any] | None = None
         self._guard: _FitGuard | None = None
         self._guard_warned = False  # whether it said once that the guard steps aside
+        self._due_at_end = False  # a batch backup due at the epoch's last batch, taken at its end
         self._pass_left = [0]     # train calls still to pass over in the resumed epoch
         self._passed = False      # whether the latest train call passed over its batches
 
@@ -578,6 +579,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._current_epoch = epoch
         self._done_in_epoch, self._epoch_complete, self._skip_until = 0, False, 0
+        self._due_at_end = False
         p, self._resume = self._resume, None
         if p is not None and epoch == p["epoch"] and (p["batch"] or p["position"]):
             # this process's data iterator is drawn after this callback: draw it as the first
@@ -771,6 +773,11 @@ class BackupAndRestore(_KerasBackupAndRestore):
         due = self.save_freq is not False and self._should_save_on_batch(batch)
         self._last_batch_seen = batch
         mgr = self._manager()
+        if due and steps and done >= int(steps):
+            # the epoch's last batch: the backup is taken at the epoch's end, so that a
+            # resume does not end this epoch a second time (a second CSVLogger row, a second
+            # validation); a fit() failing before then takes it in _fit_failed
+            self._due_at_end, due = True, False
         if due and self._global not in mgr.all_steps():
             mgr.save(self._global, self._state)
         else:
@@ -781,7 +788,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._last_batch_seen = 0
         self._epoch_complete = True
         self._last_logs = logs or {}
-        if self.save_freq == "epoch":
+        due_at_end, self._due_at_end = self._due_at_end, False
+        if self.save_freq == "epoch" or due_at_end:
             mgr = self._manager()
             if self._global not in mgr.all_steps():
                 mgr.save(self._global, self._state)
@@ -816,6 +824,10 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if mgr is None:
             return
         try:
+            if self._due_at_end and not self._epoch_complete \
+                    and self._global not in mgr.all_steps():
+                mgr.save(self._global, self._state)  # the one deferred to the epoch's end
+            self._due_at_end = False
             mgr.close()
         except CheckpointError as e:  # reported, without hiding the exception fit() ends by
             log.error("pitstop: %s", e)
