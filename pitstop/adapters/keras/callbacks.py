@@ -328,9 +328,11 @@ def _epoch_iterator() -> Any:
 
 
 #: fit()'s calls into its callbacks that a guard wraps (see _FitGuard)
+#: (on_train_end too: a callback before this one that raises there ends fit() before this
+#: one's on_train_end commits the backups)
 _GUARDED_HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
                   "on_train_batch_end", "on_test_begin", "on_test_end",
-                  "on_test_batch_begin", "on_test_batch_end")
+                  "on_test_batch_begin", "on_test_batch_end", "on_train_end")
 
 
 def _callback_list(cb: Any) -> Any:
@@ -397,6 +399,30 @@ class _FitGuard:
 
         self._wrapped.append((obj, name, own, real))
         setattr(obj, name, call)
+
+    def watch_input(self, it: Any) -> None:
+        """Also watch fit()'s reading of its input: on torch the batches are read outside
+        the train step (``EpochIterator.__next__``, within its ``catch_stop_iteration()``),
+        so an exception of the data pipeline reaches neither a hook nor the train step."""
+        if it is None or not callable(getattr(it, "catch_stop_iteration", None)):
+            return
+        real, guard = it.catch_stop_iteration, self
+
+        class Watched:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self._inner = real(*args, **kwargs)
+
+            def __enter__(self) -> Any:
+                return self._inner.__enter__()
+
+            def __exit__(self, kind: Any, e: Any, tb: Any) -> Any:
+                if e is not None and not _ends_the_data(e):
+                    guard.fail()
+                return self._inner.__exit__(kind, e, tb)
+
+        self._wrapped.append((it, "catch_stop_iteration", "catch_stop_iteration" in vars(it),
+                              real))
+        it.catch_stop_iteration = Watched
 
     def fail(self) -> None:
         if not self._failed:
@@ -546,6 +572,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._real_train_function: Any = None
         self._metrics_pending: list[Any] | None = None
         self._guard: _FitGuard | None = None
+        self._guard_warned = False  # whether it said once that the guard steps aside
+        self._due_at_end = False  # a batch backup due at the epoch's last batch, taken at its end
         self._pass_left = [0]     # train calls still to pass over in the resumed epoch
         self._passed = False      # whether the latest train call passed over its batches
 
@@ -592,8 +620,19 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._end_fit()  # (an earlier fit() that ended where no hook of ours saw it)
         self._guard = _FitGuard(self._fit_failed, self._hidden)
         self._guard.install(_callback_list(self), model, self)
+        if not self._guard.hides and not self._guard_warned:
+            self._guard_warned = True
+            warnings.warn(
+                "pitstop: BackupAndRestore cannot find the callback list through which this "
+                "Keras's fit() calls its callbacks (its internals differ from the ones pitstop "
+                "knows): on a mid-epoch resume the batches passed over still reach the other "
+                "callbacks, shown the restored model, and a fit() ended by an exception of "
+                "another callback may return before the backups are committed (call "
+                "backup.wait() before touching backup_dir). Resuming itself is unaffected.",
+                UserWarning, stacklevel=2)
         try:
             self._begin(model)
+            self._guard.watch_input(self._it)
         except BaseException:
             self._end_fit()
             raise
@@ -663,6 +702,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._current_epoch = epoch
         self._done_in_epoch, self._epoch_complete, self._skip_until = 0, False, 0
+        self._due_at_end = False
         p, self._resume = self._resume, None
         if p is not None and epoch == p["epoch"] and (p["batch"] or p["position"]):
             # this process's data iterator is drawn after this callback: draw it as the first
@@ -856,6 +896,11 @@ class BackupAndRestore(_KerasBackupAndRestore):
         due = self.save_freq is not False and self._should_save_on_batch(batch)
         self._last_batch_seen = batch
         mgr = self._manager()
+        if due and steps and done >= int(steps):
+            # the epoch's last batch: the backup is taken at the epoch's end, so that a
+            # resume does not end this epoch a second time (a second CSVLogger row, a second
+            # validation); a fit() failing before then takes it in _fit_failed
+            self._due_at_end, due = True, False
         if due and self._global not in mgr.all_steps():
             mgr.save(self._global, self._state)
         else:
@@ -866,7 +911,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._last_batch_seen = 0
         self._epoch_complete = True
         self._last_logs = logs or {}
-        if self.save_freq == "epoch":
+        due_at_end, self._due_at_end = self._due_at_end, False
+        if self.save_freq == "epoch" or due_at_end:
             mgr = self._manager()
             if self._global not in mgr.all_steps():
                 mgr.save(self._global, self._state)
@@ -901,6 +947,10 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if mgr is None:
             return
         try:
+            if self._due_at_end and not self._epoch_complete \
+                    and self._global not in mgr.all_steps():
+                mgr.save(self._global, self._state)  # the one deferred to the epoch's end
+            self._due_at_end = False
             mgr.close()
         except CheckpointError as e:  # reported, without hiding the exception fit() ends by
             log.error("pitstop: %s", e)
