@@ -11,23 +11,12 @@ import pitstop
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_helpers import make_model, same, train_step, values  # noqa: E402
+from tf_helpers import leaf_keys, make_model, same, train_step, values  # noqa: E402
 
 from pitstop.adapters.tf import _graph  # noqa: E402
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16,
           tf.int32, tf.int64, tf.uint32, tf.uint64, tf.bool, tf.complex64, tf.complex128]
-
-
-def leaf_keys(tree, prefix=""):
-    for k, v in tree.items():
-        if k == _graph.GRAPH:
-            continue
-        p = f"{prefix}/{k}" if prefix else k
-        if isinstance(v, dict):
-            yield from leaf_keys(v, p)
-        else:
-            yield p
 
 
 def test_variables_of_every_dtype_round_trip(manager):

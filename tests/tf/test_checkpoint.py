@@ -14,21 +14,12 @@ import pitstop
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_helpers import killed_after_save, make_model, same, train_step, values  # noqa: E402
+from tf_helpers import killed_after_save, make_model, rel, same, settle, train_step, values  # noqa: E402
 
 from pitstop.adapters.tf import Checkpoint, CheckpointManager  # noqa: E402
 
 PEERS = {"tf": (tf.train.Checkpoint, tf.train.CheckpointManager),
          "pitstop": (Checkpoint, CheckpointManager)}
-
-
-def rel(path, directory):
-    return None if path is None else os.path.relpath(path, directory)
-
-
-def settle(mgr):
-    if isinstance(mgr, CheckpointManager):
-        mgr.sync()
 
 
 def manager_scenario(kind, directory):

@@ -16,7 +16,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_helpers import make_model, same, train_step, values  # noqa: E402
+from tf_helpers import make_model, rel, same, settle, train_step, values  # noqa: E402
 
 import pitstop  # noqa: E402
 import pitstop.adapters.tf._options  # noqa: E402
@@ -24,15 +24,6 @@ from pitstop.adapters.tf import Checkpoint, CheckpointManager, latest_checkpoint
 
 PEERS = {"tf": (tf.train.Checkpoint, tf.train.CheckpointManager),
          "pitstop": (Checkpoint, CheckpointManager)}
-
-
-def rel(path, directory):
-    return None if path is None else os.path.relpath(path, directory)
-
-
-def settle(mgr):
-    if isinstance(mgr, CheckpointManager):
-        mgr.sync()
 
 
 def objects(seed=0):

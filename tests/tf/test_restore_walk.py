@@ -15,21 +15,10 @@ import pitstop
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_helpers import X, Y, same, values  # noqa: E402
+from tf_helpers import X, Y, leaf_keys, same, values  # noqa: E402
 
 from pitstop.adapters.tf import Checkpoint, CheckpointManager, _graph  # noqa: E402
 from pitstop.adapters.tf.checkpoint import read_tree  # noqa: E402
-
-
-def leaf_keys(tree, prefix=""):
-    for k, v in tree.items():
-        if k == _graph.GRAPH:
-            continue
-        p = f"{prefix}/{k}" if prefix else k
-        if isinstance(v, dict):
-            yield from leaf_keys(v, p)
-        else:
-            yield p
 
 
 def native_keys(path):

@@ -86,3 +86,30 @@ def killed_after_saves(n: int, *directories: str) -> list[str]:
     paths = r.stdout.split()
     assert len(paths) == len(directories), r.stdout + r.stderr
     return paths
+
+
+def leaf_keys(tree, prefix=""):
+    """The key paths of a captured TensorFlow state tree's leaves (the object graph left out)."""
+    from pitstop.adapters.tf import _graph
+
+    for k, v in tree.items():
+        if k == _graph.GRAPH:
+            continue
+        p = f"{prefix}/{k}" if prefix else k
+        if isinstance(v, dict):
+            yield from leaf_keys(v, p)
+        else:
+            yield p
+
+
+def rel(path, directory):
+    """``path`` relative to ``directory`` (None stays None): paths compared across peers."""
+    return None if path is None else os.path.relpath(path, directory)
+
+
+def settle(mgr):
+    """A pitstop manager's writes made visible to another reader (tf.train's: nothing to do)."""
+    from pitstop.adapters.tf import CheckpointManager
+
+    if isinstance(mgr, CheckpointManager):
+        mgr.sync()
