@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_save import floor_memcpy, lost_to_one_save, make_state  # noqa: E402
 
 import pitstop  # noqa: E402
-from pitstop.core import engine as E  # noqa: E402
+from pitstop.core.save import engine as E  # noqa: E402
 
 
 def save_and_train(mgr: pitstop.CheckpointManager, step: int, state: dict, w: np.ndarray,

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 import pitstop
-from pitstop.core.manifest import parse
-from pitstop.core.names import step_name
-from pitstop.core.reader import CheckpointReader
+from pitstop.core.directory.names import step_name
+from pitstop.core.format.manifest import parse
+from pitstop.core.restore.read import CheckpointReader
 
 
 def rss() -> int:

@@ -6,12 +6,9 @@
 ...     ...
 """
 
-from ._version import __version__
-from .adapters.rng import RNG
-from .core.coordination import CoordinationError
-from .core.crypto import Encryption
-from .core.engine import SaveHandle, SaveStats
-from .core.errors import (
+from pitstop._version import __version__
+from pitstop.adapters.rng import RNG
+from pitstop.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -24,8 +21,9 @@ from .core.errors import (
     UnsupportedFormatError,
     UnsupportedStateError,
 )
-from .core.manager import CheckpointManager
-from .core.policy import (
+from pitstop.core.format.crypto import Encryption
+from pitstop.core.manager import CheckpointManager
+from pitstop.core.policy import (
     AnyOf,
     AutoInterval,
     EveryNSteps,
@@ -37,6 +35,8 @@ from .core.policy import (
     OnImprovement,
     OnSteps,
 )
+from pitstop.core.runtime.coordination import CoordinationError
+from pitstop.core.save.engine import SaveHandle, SaveStats
 
 __all__ = [
     "CheckpointManager", "SaveHandle", "SaveStats", "RNG", "Encryption", "EncryptionKeyError",

@@ -10,7 +10,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pitstop.core.coordination import CoordinationError, Coordinator
+from pitstop.core.runtime.coordination import CoordinationError, Coordinator
 
 
 class Hub:

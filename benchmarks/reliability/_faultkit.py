@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import pitstop
-from pitstop.core.names import DEFAULT
+from pitstop.core.directory.names import DEFAULT
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

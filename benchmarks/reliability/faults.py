@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pitstop
-from pitstop.core.names import DEFAULT
+from pitstop.core.directory.names import DEFAULT
 from pitstop.core.storage.base import Transaction, Writer
 from pitstop.core.storage.local import LocalStorage
 

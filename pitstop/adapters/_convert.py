@@ -7,9 +7,9 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ..core.errors import CheckpointNotFoundError, CheckpointWriteError
-from ..core.manager import CheckpointManager
-from ..core.tree import select
+from pitstop.core.errors import CheckpointNotFoundError, CheckpointWriteError
+from pitstop.core.manager import CheckpointManager
+from pitstop.core.tree import select
 
 
 def read_step(directory: str | os.PathLike[str], step: int | None, key: str | None

@@ -154,7 +154,7 @@ def resolve(obj: Any) -> Adapter | None:
                 return resolve(obj)
     root = type(obj).__module__.split(".")[0]
     if root in _not_built:
-        from ..core.errors import UnsupportedStateError
+        from pitstop.core.errors import UnsupportedStateError
         raise UnsupportedStateError(
             f"{type(obj).__module__}.{type(obj).__qualname__}: this pitstop has no {root} "
             "adapter yet; put numpy arrays (np.asarray(x)) and plain values in the state instead")
@@ -206,11 +206,11 @@ def ambient_coordinator() -> Any:
     td = sys.modules.get("torch.distributed")
     if td is not None and td.is_available() and td.is_initialized() and \
             td.get_world_size() > 1:
-        from .torch.distributed import ProcessGroupCoordinator
+        from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
         return ProcessGroupCoordinator()
     jd = sys.modules.get("jax._src.distributed")
     if jd is not None and getattr(getattr(jd, "global_state", None), "client", None) is not None:
-        from .jax.distributed import JaxCoordinator
+        from pitstop.adapters.jax.distributed import JaxCoordinator
         coord = JaxCoordinator()
         return coord if coord.world_size > 1 else None
     return None

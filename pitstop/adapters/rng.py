@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import IncompatibleTargetError
-from .registry import register_adapter
+from pitstop.adapters.registry import register_adapter
+from pitstop.core.errors import IncompatibleTargetError
 
 log = logging.getLogger("pitstop")
 

@@ -36,7 +36,7 @@ verification, 2 anything else that went wrong (bad arguments, no such directory 
 directory busy or read-only). A failure is one line ``pitstop: ...`` on stderr that names
 the path and what to do; the command never prints a traceback.
 
-Names are those of :mod:`pitstop.core.names`, by the naming the directory records in
+Names are those of :mod:`pitstop.core.directory.names`, by the naming the directory records in
 ``.pitstop/directory.json``: a checkpoint is ``step_<10 digits>`` by default (``ckpt-<step>``,
 ``<step>``, ... where the directory was created with another ``step_prefix`` / ``step_digits``);
 one moved aside is ``<name>.corrupt-<time>-<4 hex>`` or ``<name>.abandoned-<time>-<4 hex>``;
@@ -60,20 +60,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import memtier
-from ..core.errors import (
+from pitstop.core.directory.names import DEFAULT, Naming
+from pitstop.core.errors import (
     CheckpointError,
     CorruptCheckpointError,
     DirectoryLockedError,
     EncryptionKeyError,
 )
-from ..core.manifest import Manifest, load_json
-from ..core.names import DEFAULT, Naming
-from ..core.reader import CheckpointReader, nbytes_of
-from ..core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
-from ..core.storage import local as _local
-from ..core.storage.local import MANIFEST, META_DIR, LocalStorage
-from ..core.storage.objectstore import Leftover, ObjectListing
+from pitstop.core.format.manifest import Manifest, load_json
+from pitstop.core.restore.read import CheckpointReader, nbytes_of
+from pitstop.core.save import memtier
+from pitstop.core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
+from pitstop.core.storage import local as _local
+from pitstop.core.storage.local import MANIFEST, META_DIR, LocalStorage
+from pitstop.core.storage.objectstore import Leftover, ObjectListing
 
 OK, CORRUPT, ERROR = 0, 1, 2
 #: the status of a command whose reader closed the pipe (128 + SIGPIPE, as a shell reports it)
@@ -267,7 +267,7 @@ def _looks_like(naming: Naming, entry: str) -> bool:
 
 @dataclass
 class Listing:
-    """What a checkpoint directory holds, by pitstop's names (:mod:`pitstop.core.names`)."""
+    """What a checkpoint directory holds, by pitstop's names (:mod:`pitstop.core.directory.names`)."""
 
     location: str
     #: how the directory names its checkpoints (``step_<10 digits>`` by default)
@@ -567,7 +567,7 @@ _KEY: list[Any] = []
 def _encryption() -> Any:
     """The key of encrypted checkpoints, from PITSTOP_ENCRYPTION_KEY (None when unset; read
     once). Plaintext checkpoints are read as well: the CLI inspects both kinds."""
-    from ..core.crypto import ENV, Encryption
+    from pitstop.core.format.crypto import ENV, Encryption
     if not _KEY:
         try:
             _KEY.append(Encryption() if os.environ.get(ENV) else None)
@@ -584,7 +584,7 @@ def _bound(storage: Storage, naming: Naming, key: Any) -> dict[str, Any]:
     (as the identity records it)."""
     if key is None:
         return {"plaintext_ok": True}
-    from ..core.catalog import encrypted_evidence
+    from pitstop.core.directory.catalog import encrypted_evidence
     try:
         raw = storage.read_meta("directory.json")
         doc = load_json(raw) if raw is not None else None
@@ -662,8 +662,8 @@ class _Retention:
 
 
 def _retention(storage: Storage) -> _Retention:
-    from ..core.errors import InvalidArgumentError
-    from ..core.policy import KeepAll, KeepBest, KeepEverySteps, KeepLast
+    from pitstop.core.errors import InvalidArgumentError
+    from pitstop.core.policy import KeepAll, KeepBest, KeepEverySteps, KeepLast
     try:
         raw = storage.read_meta("directory.json")
         doc = load_json(raw) if raw is not None else None
@@ -716,7 +716,7 @@ def _retention(storage: Storage) -> _Retention:
 
 def _skipped_line(storage: Storage) -> str | None:
     """The periodic saves the writer skipped as busy (``directory.json``, "skipped")."""
-    from ..core.skips import ls_line
+    from pitstop.core.save.skips import ls_line
     try:
         raw = storage.read_meta("directory.json")
         return ls_line(json.loads(raw)) if raw is not None else None
@@ -732,7 +732,7 @@ def _retention_status(ret: _Retention, infos: dict[int, Any], aside_refs: dict[s
     (:func:`pitstop.core.policy.to_delete`, then what incremental checkpoints reference):
     one the ``keep_last`` window keeps now but not then is "kept until the next save";
     {} when the policy is unknown."""
-    from ..core.policy import CheckpointInfo
+    from pitstop.core.policy import CheckpointInfo
     if ret.policies is None or not infos:
         return {}
     if not ret.policies and not ret.custom:
@@ -802,7 +802,7 @@ def _retention_pass(ret: _Retention, infos: dict[int, Any], aside_refs: dict[str
 
 def _protected(storage: Storage, ident: str | None) -> set[int]:
     """The steps the directory's index marks protected (not merely held by a reference)."""
-    from ..core.catalog import parse_index
+    from pitstop.core.directory.catalog import parse_index
     if not ident:
         return set()
     try:
@@ -815,7 +815,7 @@ def _protected(storage: Storage, ident: str | None) -> set[int]:
 
 def _aside_refs(storage: Storage, listing: Listing) -> dict[str, tuple[str, ...]]:
     """The abandoned checkpoints and what their manifests reference (retention keeps
-    those): see :meth:`pitstop.core.catalog.Catalog.held_aside`."""
+    those): see :meth:`pitstop.core.directory.catalog.Catalog.held_aside`."""
     out: dict[str, tuple[str, ...]] = {}
     for name, _step, why in listing.aside:
         if why != "abandoned":
@@ -869,7 +869,7 @@ def _natural(name: str) -> list[Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..core.policy import CheckpointInfo
+    from pitstop.core.policy import CheckpointInfo
     _encryption()  # a malformed key is said once, not on every row as "unreadable"
     storage = _open(args.dir, args.storage_option)
     listing = _scan(storage)
@@ -1599,7 +1599,7 @@ def build_parser() -> argparse.ArgumentParser:
         "example:\n  pitstop ls runs/exp1\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .._version import __version__
+    from pitstop._version import __version__
 
     p.add_argument("--version", action="version", version=f"pitstop {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True,
@@ -1672,12 +1672,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_gc)
 
-    from . import demo
+    from pitstop.cli import demo
 
     demo.add_parser(sub)
     _ensure_example(sub.choices["demo"], "pitstop demo")
-    from . import convert, diff  # pitstop diff, export, import
-    from . import run as _run
+    from pitstop.cli import convert, diff  # pitstop diff, export, import
+    from pitstop.cli import run as _run
 
     _run.add_parser(sub)
     diff.add_parser(sub)

@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ..core.arguments import MAX_STEP
-from ..core.dtypes import ML_DTYPES
-from ..core.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
-from ..core.tree import decode_value, encode_value, join, split, unflatten
+from pitstop.core.arguments import MAX_STEP
+from pitstop.core.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from pitstop.core.format.dtypes import ML_DTYPES
+from pitstop.core.tree import decode_value, encode_value, join, split, unflatten
 
 NPZ_META = "__pitstop__"
 NPZ_FORMAT = "pitstop-npz"
@@ -107,13 +107,13 @@ def add_parsers(sub: Any) -> None:
 # ====================================================================== small helpers
 def _cli() -> Any:
     """The ``pitstop.cli`` package (its helpers), imported when first needed."""
-    from .. import cli
+    from pitstop import cli
     return cli
 
 
 def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Write through a temporary file beside ``path``, fsync it, rename it into place."""
-    from ..adapters._convert import atomic_write
+    from pitstop.adapters._convert import atomic_write
     try:
         atomic_write(path, write)
     except CheckpointWriteError as e:
@@ -305,7 +305,7 @@ def read_npz(path: str, key: str | None) -> tuple[Any, int | None, dict[str, Any
 
 
 def _select(tree: Any, key: str | None, where: str) -> Any:
-    from ..core.tree import select
+    from pitstop.core.tree import select
     return select(tree, key, where)
 
 
@@ -573,7 +573,7 @@ def _outside_run(out: str, run: str) -> None:
 def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | None,
                       m: Any) -> tuple[int, int]:
     cli = _cli()
-    from ..core.reader import nbytes_of
+    from pitstop.core.restore.read import nbytes_of
     picked = {kp: e for kp, e in m.arrays.items() if _relative(kp, key) is not None}
     if key is not None and not picked and not any(
             _relative(kp, key) is not None for kp in m.values):
@@ -582,7 +582,7 @@ def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | 
     try:
         if fmt == "orbax":
             try:
-                from ..adapters.jax.orbax import export_orbax
+                from pitstop.adapters.jax.orbax import export_orbax
             except ImportError as e:
                 raise cli.CliError(f"--to orbax needs jax and orbax-checkpoint ({e}); "
                                    "pip install 'pitstop[jax]'") from None
@@ -590,7 +590,7 @@ def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | 
             export_orbax(directory, step, out, key=key)
         else:
             try:
-                from ..adapters.torch.convert import export_safetensors, export_torch_save
+                from pitstop.adapters.torch.convert import export_safetensors, export_torch_save
                 if fmt == "safetensors":
                     import safetensors.torch  # noqa: F401
             except ImportError as e:
@@ -618,7 +618,7 @@ def _framework_missing(fmt: str, e: ImportError) -> Any:
 def _save_tree(tree: Any, dest: str, step: int, metrics: dict[str, Any] | None,
                naming: dict[str, Any] | None = None) -> int:
     """Save a tree of numpy arrays and values as committed step ``step`` of ``dest``."""
-    from ..core.manager import CheckpointManager
+    from pitstop.core.manager import CheckpointManager
     key = _refuse_existing(dest, step)
     opts: dict[str, Any] = dict(async_save=False, save_on_signals=None, memory_tier=False,
                                 encryption=key)
@@ -635,8 +635,8 @@ def _save_tree(tree: Any, dest: str, step: int, metrics: dict[str, Any] | None,
 def _refuse_existing(dest: str, step: int | None) -> Any:
     """Raise StepExistsError when ``dest`` has ``step``; returns the key of an encrypted
     ``dest`` (from PITSTOP_ENCRYPTION_KEY), so the import is encrypted as its checkpoints."""
-    from ..core.errors import StepExistsError
-    from ..core.manager import CheckpointManager
+    from pitstop.core.errors import StepExistsError
+    from pitstop.core.manager import CheckpointManager
     if "://" not in dest and not os.path.isdir(dest):
         return None  # (a URL's directory is looked up in its store)
     mgr = CheckpointManager(dest, read_only=True, save_on_signals=None)
@@ -773,7 +773,7 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
         return [_save_tree(tree, dest, step if step is not None else own or 0, metrics)]
     if fmt in ("torch", "dcp"):
         try:
-            from ..adapters.torch.convert import import_dcp, import_torch_save
+            from pitstop.adapters.torch.convert import import_dcp, import_torch_save
         except ImportError as e:
             raise _framework_missing(fmt, e) from None
         s = 0 if step is None else step
@@ -794,12 +794,12 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:
             with _native_stderr_muted():  # TensorFlow's start-up chatter (oneDNN, absl)
-                from ..adapters.tf.convert import import_native
+                from pitstop.adapters.tf.convert import import_native
         except ImportError as e:
             raise _framework_missing(fmt, e) from None
         return [import_native(src, dest, step, key=key)]
     try:
-        from ..adapters.jax.orbax import import_orbax
+        from pitstop.adapters.jax.orbax import import_orbax
     except ImportError as e:
         raise _framework_missing(fmt, e) from None
     _quiet_absl()

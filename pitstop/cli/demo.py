@@ -180,7 +180,7 @@ def _drop_memory_tier(ckpt: str) -> None:
     took it over) would otherwise outlive the directory it belongs to."""
     if not os.path.isdir(os.path.join(ckpt, ".pitstop")):
         return
-    from . import main
+    from pitstop.cli import main
     with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         main(["gc", "--drop-recoverable", ckpt])

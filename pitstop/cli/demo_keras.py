@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .demo import ChildRun
+from pitstop.cli.demo import ChildRun
 
 D_IN, HIDDEN, D_OUT, BATCH = 256, 1024, 64, 64
 PARAMS = D_IN * HIDDEN + HIDDEN + HIDDEN * D_OUT + D_OUT

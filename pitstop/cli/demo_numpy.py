@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .demo import ChildRun
+from pitstop.cli.demo import ChildRun
 
 D_IN, D_OUT, BATCH = 1024, 512, 64
 DESCRIPTION = ("linear regression in numpy, SGD + momentum, a new batch from a seeded "

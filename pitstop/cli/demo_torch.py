@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .demo import ChildRun
+from pitstop.cli.demo import ChildRun
 
 D_IN, HIDDEN, CLASSES, SAMPLES, BATCH = 256, 1024, 10, 4096, 64
 PARAMS = D_IN * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES

@@ -22,7 +22,7 @@ and waits for it:
 What it knows of the checkpoints comes from the checkpoint directory, read-only (never
 locked, never written): ``--dir`` (also given to the job as ``PITSTOP_DIR``), or the one a
 CheckpointManager in the job reports through the file named by ``PITSTOP_SUPERVISOR``
-(:mod:`pitstop.core.supervised`), along with the step it restored.
+(:mod:`pitstop.core.runtime.supervised`), along with the step it restored.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core import supervised
-from ..core.storage import is_url
+from pitstop.core.runtime import supervised
+from pitstop.core.storage import is_url
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_BACKOFF = 1.0
@@ -190,7 +190,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``pitstop run``: supervise ``args.command``; returns the exit status."""
-    from . import CliError
+    from pitstop.cli import CliError
 
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -276,7 +276,7 @@ def newest_step(directory: str | None) -> int | None:
     if directory is None:
         return UNKNOWN
     try:
-        from . import _open, _scan
+        from pitstop.cli import _open, _scan
 
         if not is_url(directory) and not os.path.lexists(directory):
             return None  # the job has not made it yet
@@ -352,7 +352,7 @@ def _death_signal() -> Callable[[], None] | None:
 
 
 class Events:
-    """The JSON lines CheckpointManagers in the job append (:mod:`pitstop.core.supervised`)."""
+    """The JSON lines CheckpointManagers in the job append (:mod:`pitstop.core.runtime.supervised`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -11,11 +11,11 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import CheckpointError, InvalidArgumentError
-from .hashing import ALGORITHMS
-from .names import DEFAULT, Naming
-from .policy import number_metric, positive_int
-from .storage import Storage, open_storage
+from pitstop.core.directory.names import DEFAULT, Naming
+from pitstop.core.errors import CheckpointError, InvalidArgumentError
+from pitstop.core.format.hashing import ALGORITHMS
+from pitstop.core.policy import number_metric, positive_int
+from pitstop.core.storage import Storage, open_storage
 
 
 def check_arguments(directory: Any, hash_algorithm: str, on_busy: str, keep_best: Any,
@@ -72,7 +72,7 @@ def check_snapshot(snapshot: Any) -> str:
 
 def check_naming(step_prefix: Any, step_digits: Any) -> None:
     """Check ``step_prefix`` and ``step_digits`` (each None or a valid part of a
-    :class:`~pitstop.core.names.Naming`); a bad one raises InvalidArgumentError naming it."""
+    :class:`~pitstop.core.directory.names.Naming`); a bad one raises InvalidArgumentError naming it."""
     Naming(DEFAULT.prefix if step_prefix is None else step_prefix,
            DEFAULT.digits if step_digits is None else step_digits)
 
@@ -174,7 +174,7 @@ def check_user_metadata(user_metadata: Any) -> dict[str, Any]:
     if not isinstance(user_metadata, Mapping):
         raise InvalidArgumentError(
             f"user_metadata must be a mapping, got {type(user_metadata).__name__}")
-    from .tree import encode_value
+    from pitstop.core.tree import encode_value
     out = dict(user_metadata)
     encode_value(out, "user_metadata")  # refused now, not in the background persist
     return out
@@ -208,7 +208,7 @@ def check_encryption(encryption: Any) -> None:
     """``encryption`` is None or a :class:`pitstop.Encryption` (the key, already checked)."""
     if encryption is None:
         return
-    from .crypto import Encryption
+    from pitstop.core.format.crypto import Encryption
     if not isinstance(encryption, Encryption):
         raise InvalidArgumentError(
             f"encryption must be None or pitstop.Encryption(...), got a "

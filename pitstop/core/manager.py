@@ -31,9 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import memtier as memtier_mod
-from . import supervised
-from .arguments import (
+from pitstop.core.arguments import (
     DEFAULT_SNAPSHOT,
     check_arguments,
     check_callables,
@@ -47,8 +45,8 @@ from .arguments import (
     step_arg,
     wrap_os,
 )
-from .arguments import check_encryption as check_encryption_arg
-from .catalog import (
+from pitstop.core.arguments import check_encryption as check_encryption_arg
+from pitstop.core.directory.catalog import (
     Catalog,
     check_encryption,
     create_identity,
@@ -58,10 +56,9 @@ from .catalog import (
     record_retention,
     resolve_naming,
 )
-from .coordination import CoordinationError, Coordinator
-from .crypto import ENV, Encryption
-from .engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
-from .errors import (
+from pitstop.core.directory.names import Naming, step_name
+from pitstop.core.directory.recovery import Recovered, discard, recover, recoverable_steps
+from pitstop.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -71,13 +68,10 @@ from .errors import (
     StepExistsError,
     UnsupportedFormatError,
 )
-from .hashing import DEFAULT
-from .lazy import fence_all
-from .lifecycle import Resources, TierFallback, lost_signal_message
-from .manifest import Manifest
-from .memtier import MemoryTier
-from .names import Naming, step_name
-from .policy import (
+from pitstop.core.format.crypto import ENV, Encryption
+from pitstop.core.format.hashing import DEFAULT
+from pitstop.core.format.manifest import Manifest
+from pitstop.core.policy import (
     AnyOf,
     AutoInterval,
     EveryNSteps,
@@ -90,9 +84,11 @@ from .policy import (
     SaveContext,
     SavePolicy,
 )
-from .reader import CheckpointReader, RestoredStep, RestoreReport
-from .recovery import Recovered, discard, recover, recoverable_steps
-from .signals import (
+from pitstop.core.restore.read import CheckpointReader, RestoredStep, RestoreReport
+from pitstop.core.runtime import supervised
+from pitstop.core.runtime.coordination import CoordinationError, Coordinator
+from pitstop.core.runtime.lifecycle import Resources, TierFallback, lost_signal_message
+from pitstop.core.runtime.signals import (
     CONTINUE_SIGNALS,
     DEFAULT_SIGNALS,
     SignalSaver,
@@ -100,11 +96,15 @@ from .signals import (
     child_signals_held,
     signal_name,
 )
-from .skips import SkippedSaves
-from .snapshot import StagingPool
-from .storage import Storage
-from .storage.staged import StagedStorage
-from .tree import FlatState, FlattenCache, flatten
+from pitstop.core.save import memtier as memtier_mod
+from pitstop.core.save.engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
+from pitstop.core.save.lazy import fence_all
+from pitstop.core.save.memtier import MemoryTier
+from pitstop.core.save.skips import SkippedSaves
+from pitstop.core.save.snapshot import StagingPool
+from pitstop.core.storage import Storage
+from pitstop.core.storage.staged import StagedStorage
+from pitstop.core.tree import FlatState, FlattenCache, flatten
 
 log = logging.getLogger("pitstop")
 
@@ -117,7 +117,7 @@ __all__ = ["CheckpointManager", "step_name", "DEFAULT_SIGNALS", "CONTINUE_SIGNAL
 
 
 def _resolver() -> Callable[[Any], Any]:
-    from ..adapters.registry import resolve
+    from pitstop.adapters.registry import resolve
     return resolve
 
 
@@ -184,7 +184,7 @@ class CheckpointManager:
         check_arguments(directory, hash_algorithm, on_busy, keep_best, best_metric, best_mode,
                          compression, max_in_flight, memory_tier, writer_threads, copy_threads)
         check_callables(save_policy, retention, on_save)
-        #: "eager" or "lazy" (see :mod:`pitstop.core.lazy`); a synchronous manager waits for
+        #: "eager" or "lazy" (see :mod:`pitstop.core.save.lazy`); a synchronous manager waits for
         #: the whole save anyway, so it copies eagerly
         self.snapshot_mode = check_snapshot(snapshot)
         check_encryption_arg(encryption)
@@ -1094,7 +1094,7 @@ class CheckpointManager:
         key = frozenset(flat.used)
         known = self._frameworks.get(key)
         if known is None:
-            from ..adapters.registry import frameworks_of
+            from pitstop.adapters.registry import frameworks_of
             known = self._frameworks[key] = frameworks_of(key)
         return known
 
@@ -1602,7 +1602,7 @@ def _kind_of(e: CheckpointError) -> str:
 
 
 def _ambient_rank() -> tuple[int, int]:
-    from ..adapters.registry import ambient_rank
+    from pitstop.adapters.registry import ambient_rank
     return ambient_rank()
 
 
@@ -1615,7 +1615,7 @@ def _coordinator(distributed: Any) -> Coordinator | None:
     if distributed is False:
         return None
     if distributed == "auto" or distributed is True:
-        from ..adapters.registry import ambient_coordinator
+        from pitstop.adapters.registry import ambient_coordinator
         coord = ambient_coordinator()
         if coord is None and distributed is True:
             raise InvalidArgumentError(
@@ -1694,6 +1694,6 @@ def _no_gc() -> Iterator[None]:
 
 
 def _pin_hooks() -> list[Any]:
-    from ..adapters.registry import staging_hooks
+    from pitstop.adapters.registry import staging_hooks
     return staging_hooks  # the live list: adapters imported later add their hooks to it
 

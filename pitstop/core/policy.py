@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import InvalidArgumentError
+from pitstop.core.errors import InvalidArgumentError
 
 log = logging.getLogger("pitstop")
 

@@ -26,8 +26,8 @@ try:
 except ImportError:  # numpy < 2
     from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
 
-from .dtypes import check_savable_dtype
-from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from pitstop.core.errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from pitstop.core.format.dtypes import check_savable_dtype
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
@@ -90,11 +90,11 @@ class ArrayLeaf:
     #: The adapter vouches that nothing writes this array between a save and the
     #: framework's next optimizer step (torch parameters and optimizer state, never buffers
     #: a forward pass updates): ``snapshot="lazy"`` may copy it in the background until then
-    #: (see :mod:`pitstop.core.lazy`).
+    #: (see :mod:`pitstop.core.save.lazy`).
     lazy_safe = False
     #: Called once per save that copies this leaf lazily, before the copy starts: installs
     #: the framework's fence (torch: an optimizer step pre-hook calling
-    #: :func:`pitstop.core.lazy.fence_all`). Required with ``lazy_safe``.
+    #: :func:`pitstop.core.save.lazy.fence_all`). Required with ``lazy_safe``.
     lazy_guard: Callable[[], None] | None = None
 
     def version(self) -> Any:

@@ -169,7 +169,7 @@ def test_gc_refuses_while_a_writer_holds_the_directory(ckdir, capsys):
 
 
 def test_gc_memory_tier_drops_stale_files_keeps_recoverable(ckdir, tmp_path, capsys):
-    from pitstop.core import memtier
+    from pitstop.core.save import memtier
 
     shm = tmp_path / "shm"
     shm.mkdir()

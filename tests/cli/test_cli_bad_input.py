@@ -13,8 +13,8 @@ import pytest
 from entry_point import run_commands
 
 import pitstop
+from pitstop.core.format.manifest import seal
 from pitstop.core.manager import step_name
-from pitstop.core.manifest import seal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,7 +14,7 @@ import pytest
 
 import pitstop
 from pitstop.cli import main
-from pitstop.core.names import DEFAULT, Naming, tmp_name
+from pitstop.core.directory.names import DEFAULT, Naming, tmp_name
 
 TF = Naming("ckpt-", 0)
 ORBAX = Naming("", 0)

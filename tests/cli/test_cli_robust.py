@@ -25,8 +25,8 @@ from entry_point import run_commands
 
 import pitstop
 from pitstop.cli import build_parser, main
-from pitstop.core import memtier
-from pitstop.core.names import step_name
+from pitstop.core.directory.names import step_name
+from pitstop.core.save import memtier
 
 COMMANDS: list[tuple[str, ...]] = [
     ("ls",),
@@ -912,7 +912,7 @@ def test_gc_help_says_what_it_deletes_and_what_never(capsys):
 
 def test_names_come_from_core():
     import pitstop.cli as cli
-    from pitstop.core import names
+    from pitstop.core.directory import names
 
     assert cli.Naming is names.Naming and cli.DEFAULT is names.DEFAULT
     assert not hasattr(cli, "_STEP") and not hasattr(cli, "_QUARANTINED")

@@ -15,7 +15,7 @@ from s3_server import s3_client
 
 import pitstop
 from pitstop.cli import main
-from pitstop.core.names import step_name
+from pitstop.core.directory.names import step_name
 from pitstop.core.storage import FsspecStorage
 
 #: the test server's fixtures (tests/s3_server.py), used by name

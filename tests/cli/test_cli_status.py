@@ -19,7 +19,7 @@ import pytest
 
 import pitstop
 from pitstop.cli import build_parser, main
-from pitstop.core.names import step_name
+from pitstop.core.directory.names import step_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

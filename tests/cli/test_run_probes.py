@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pitstop.core import supervised
+from pitstop.core.runtime import supervised
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

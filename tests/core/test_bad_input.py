@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core import reader as reader_mod
+from pitstop.core.format.manifest import seal
 from pitstop.core.manager import step_name
-from pitstop.core.manifest import seal
-from pitstop.core.reader import CheckpointReader
+from pitstop.core.restore import read as reader_mod
+from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,9 +16,9 @@ import pytest
 from test_bad_input import blank, open_mgr, state_of, templates  # noqa: F401,F811
 
 import pitstop
+from pitstop.core.format.manifest import seal
 from pitstop.core.manager import step_name
-from pitstop.core.manifest import seal
-from pitstop.core.reader import CheckpointReader
+from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
 
 
@@ -139,7 +139,7 @@ def test_shards_split_on_a_later_axis_are_checked_without_comparing_all_pairs():
     """The overlap check swept along the first dimension only: 4096 shards of [1, 4096]
     (split on axis 1, all sharing axis 0) were compared all with all, 17 s per parse (and a
     restore parses more than once). It now sweeps the axis the shards split most."""
-    from pitstop.core.manifest import parse
+    from pitstop.core.format.manifest import parse
     m = parse(sharded_manifest([1, 4096], [[[0, 1], [i, i + 1]] for i in range(4096)]), "x")
     assert len(m.arrays["w"].shards) == 4096
     grid = [[[i, i + 1], [j, j + 1]] for i in range(64) for j in range(64)]
@@ -171,7 +171,7 @@ def test_versions_and_codecs_are_matched_whole(run, field, value):
 
 
 def test_an_index_step_with_a_trailing_newline_is_rebuilt(run):
-    from pitstop.core.catalog import parse_index
+    from pitstop.core.directory.catalog import parse_index
     path = os.path.join(run, ".pitstop", "index.json")
     with open(path, "rb") as f:
         doc = json.loads(f.read())
@@ -186,7 +186,7 @@ def test_user_metadata_of_any_savable_kind_goes_through_the_memory_tier(tmp_path
     with user_metadata={"b": b"x"} raised a raw TypeError with the tier on (the default),
     where without it the save works; tuples, int keys and NaN came back changed (or as
     non-JSON NaN) from a recovered snapshot. They are encoded as in the manifest now."""
-    from pitstop.core.memtier import MemoryTier
+    from pitstop.core.save.memtier import MemoryTier
     root, d = tmp_path / "tier", tmp_path / "run"
     root.mkdir()
     meta_um = {"b": b"x", "t": (1, 2), "f": float("inf"), "d": {1: "int key"}}
@@ -217,7 +217,7 @@ def test_user_metadata_of_any_savable_kind_goes_through_the_memory_tier(tmp_path
 def test_a_directory_in_place_of_a_tier_buffer_does_not_fail_opening(tmp_path, caplog):
     """A directory under a tier buffer's name: the snapshot is unusable (said), and its
     removal failed with a raw IsADirectoryError out of CheckpointManager(...)."""
-    from pitstop.core.memtier import MemoryTier
+    from pitstop.core.save.memtier import MemoryTier
     root, d = tmp_path / "tier", tmp_path / "run"
     root.mkdir()
     with open_mgr(d, memory_tier=str(root)) as mgr:

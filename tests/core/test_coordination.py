@@ -14,8 +14,8 @@ import pytest
 from thread_ranks import ranks
 
 import pitstop
-from pitstop.core.coordination import CoordinationError, Coordinator, Holding, plan
-from pitstop.core.manifest import parse
+from pitstop.core.format.manifest import parse
+from pitstop.core.runtime.coordination import CoordinationError, Coordinator, Holding, plan
 
 
 def manager(d: Path, coord: Coordinator | None, **kw: Any) -> pitstop.CheckpointManager:

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import pitstop
+from pitstop.core.format.manifest import seal
 from pitstop.core.manager import step_name
-from pitstop.core.manifest import seal
 
 STEPS = (1, 2, 3)
 

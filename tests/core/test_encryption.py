@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core import crypto
-from pitstop.core.manifest import parse, seal
-from pitstop.core.reader import CheckpointReader
+from pitstop.core.format import crypto
+from pitstop.core.format.manifest import parse, seal
+from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
 from pitstop.core.tree import ArrayLeaf, NumpyLeaf
 
@@ -274,7 +274,7 @@ def test_older_reader_refuses_as_newer_format(tmp_path, monkeypatch):
     saved(tmp_path, steps=(1,))
     data = (step_dir(tmp_path, 1) / "manifest.json").read_bytes()
     assert json.loads(data)["format_version"] == "3.0"
-    from pitstop.core import manifest
+    from pitstop.core.format import manifest
     monkeypatch.setattr(manifest, "MAJOR", 2)
     with pytest.raises(pitstop.UnsupportedFormatError, match="Upgrade pitstop"):
         parse(data, "x", enc())
@@ -448,7 +448,7 @@ time.sleep(600)
 def test_memory_tier_recovery_persists_encrypted(tmp_path):
     """A writer SIGKILLed mid-persist: the next one restores the plaintext snapshot from
     /dev/shm and persists it encrypted, like any save."""
-    from pitstop.core.memtier import default_root
+    from pitstop.core.save.memtier import default_root
     if default_root() is None:
         pytest.skip("no usable /dev/shm")
     d = tmp_path / "ck"

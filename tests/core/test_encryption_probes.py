@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core import crypto
-from pitstop.core.manifest import seal
+from pitstop.core.format import crypto
+from pitstop.core.format.manifest import seal
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -277,7 +277,7 @@ def test_a_changed_key_id_is_corrupt_and_restore_falls_back(tmp_path):
     assert not step_dir(tmp_path, 2).exists()
     other = tmp_path / "other"
     saved(other, steps=(1,), key=OTHER)
-    from pitstop.core.reader import CheckpointReader
+    from pitstop.core.restore.read import CheckpointReader
     from pitstop.core.storage.local import LocalStorage
     with pytest.raises(pitstop.EncryptionKeyError, match="not its key"):
         CheckpointReader(LocalStorage(str(other)), "step_0000000001",

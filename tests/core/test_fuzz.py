@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 
 import pitstop
 from pitstop.core.errors import CheckpointError, IncompatibleTargetError
-from pitstop.core.hashing import ALGORITHMS, hash_bytes
+from pitstop.core.format.hashing import ALGORITHMS, hash_bytes
+from pitstop.core.format.manifest import parse, seal
 from pitstop.core.manager import step_name
-from pitstop.core.manifest import parse, seal
-from pitstop.core.memtier import MemoryTier, malformed
-from pitstop.core.reader import CheckpointReader
+from pitstop.core.restore.read import CheckpointReader
+from pitstop.core.save.memtier import MemoryTier, malformed
 from pitstop.core.storage.local import LocalStorage
 from pitstop.core.tree import flatten
 

@@ -17,9 +17,9 @@ import pytest
 
 import pitstop
 from pitstop.cli import main
-from pitstop.core import manifest as manifest_mod
-from pitstop.core.manifest import parse, seal
-from pitstop.core.names import step_name
+from pitstop.core.directory.names import step_name
+from pitstop.core.format import manifest as manifest_mod
+from pitstop.core.format.manifest import parse, seal
 
 N = 8
 FROZEN = ("w0", "w2", "w3", "w4", "w6", "w7")  # the backbone; w1 and w5 train
@@ -532,7 +532,7 @@ def test_multi_rank_saves_step_aside_with_one_warning_per_rank(tmp_path, caplog)
     from collections import defaultdict
     from concurrent.futures import ThreadPoolExecutor
 
-    from pitstop.core.coordination import CoordinationError, Coordinator
+    from pitstop.core.runtime.coordination import CoordinationError, Coordinator
 
     class Hub(Coordinator):
         """Two ranks as two threads of this process (as tests/core/test_coordination.py)."""

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core.memtier import MemoryTier
-from pitstop.core.names import parse_aside_name, step_name
+from pitstop.core.directory.names import parse_aside_name, step_name
+from pitstop.core.save.memtier import MemoryTier
 
 PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

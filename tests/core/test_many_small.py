@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core.manifest import ArrayEntry, Manifest, _arrays_json, parse, peek_header
-from pitstop.core.names import step_name
+from pitstop.core.directory.names import step_name
+from pitstop.core.format.manifest import ArrayEntry, Manifest, _arrays_json, parse, peek_header
 from pitstop.core.tree import FlattenCache, flatten
 
 N = 300  # more than FlattenCache.MIN and restore's RUN_MIN
@@ -118,7 +118,7 @@ def test_a_bad_plain_entry_among_many_is_refused_as_the_full_check_refuses_it(ed
     doc = json.loads(m.to_bytes())
     del doc["manifest_hash"]
     edit(doc["arrays"]["a7"])
-    from pitstop.core.manifest import seal
+    from pitstop.core.format.manifest import seal
     data = seal(json.dumps(doc, separators=(",", ":")).encode(), "xxh3-128")
     with pytest.raises(pitstop.CorruptCheckpointError, match=match) as info:
         parse(data, "ck")
@@ -172,7 +172,7 @@ def test_restore_of_many_small_arrays_is_exact_and_names_a_corrupt_one(tmp_path)
 
 
 def test_load_and_verify_of_many_small_arrays_are_exact_and_find_a_corrupt_one(tmp_path):
-    from pitstop.core.reader import CheckpointReader
+    from pitstop.core.restore.read import CheckpointReader
     from pitstop.core.storage.local import LocalStorage
     d = tmp_path / "ck"
     state = many()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core import engine as engine_mod
+from pitstop.core.save import engine as engine_mod
 
 PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,7 +94,7 @@ def crash_during_persist(directory, commit, hold, compression="none") -> str:
 
 def shm_prefix(directory, ident: str) -> str:
     """Where the tier keeps a directory's files: its id and a hash of its real path."""
-    from pitstop.core.memtier import MemoryTier
+    from pitstop.core.save.memtier import MemoryTier
     return MemoryTier(SHM, str(directory), ident).prefix
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core.names import DEFAULT, Naming, aside_name, tmp_name
+from pitstop.core.directory.names import DEFAULT, Naming, aside_name, tmp_name
 
 PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

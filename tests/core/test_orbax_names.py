@@ -13,7 +13,7 @@ import pytest
 from thread_ranks import ranks
 
 import pitstop
-from pitstop.core.coordination import Coordinator
+from pitstop.core.runtime.coordination import Coordinator
 
 
 def manager(d: Path, **kw: Any) -> pitstop.CheckpointManager:

@@ -40,7 +40,7 @@ from test_memtier import (  # the crash-in-the-middle-of-a-persist child, one de
 
 import pitstop
 import pitstop.cli
-from pitstop.core.memtier import MemoryTier
+from pitstop.core.save.memtier import MemoryTier
 from pitstop.core.storage import LocalStorage
 
 NOBODY = 65534

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core.dtypes import ML_DTYPES
+from pitstop.core.format.dtypes import ML_DTYPES
 
 CONFIGS = {
     "plain": {},

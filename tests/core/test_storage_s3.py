@@ -29,7 +29,7 @@ import s3_server
 from s3_server import s3_client
 
 import pitstop
-from pitstop.core.names import step_name
+from pitstop.core.directory.names import step_name
 from pitstop.core.storage import FsspecStorage, open_storage
 from pitstop.core.storage.objectstore import ObjectStoreError
 
@@ -121,7 +121,7 @@ def test_save_restore_list_retention_verify_on_s3(bucket, s3env):
     ro = open_mgr(url, read_only=True)
     assert ro.all_steps() == [3, 4]
     assert ro.load()["epoch"] == 4
-    from pitstop.core.reader import CheckpointReader
+    from pitstop.core.restore.read import CheckpointReader
     CheckpointReader(ro.storage, step_name(4)).verify()
     ro.close()
 
@@ -393,7 +393,7 @@ def garbage_manifest(endpoint, bucket, step):
 
 
 def dotdot_path(endpoint, bucket, step):
-    from pitstop.core.manifest import seal
+    from pitstop.core.format.manifest import seal
     key = f"run/{step_name(step)}/manifest.json"
     doc = json.loads(_obj(endpoint, bucket, key))
     doc.pop("manifest_hash", None)

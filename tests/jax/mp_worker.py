@@ -209,7 +209,7 @@ def probe_coordinator(ctx: Ctx) -> dict[str, Any]:
     from jax._src import distributed
 
     from pitstop.adapters.jax import JaxCoordinator
-    from pitstop.core.coordination import CoordinationError
+    from pitstop.core.runtime.coordination import CoordinationError
 
     client: Any = distributed.global_state.client
     out: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pitstop
-from pitstop.core.manifest import seal
+from pitstop.core.format.manifest import seal
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = jax.devices()
@@ -105,7 +105,7 @@ def test_restore_reads_only_the_shards_a_device_needs(tmp_path, monkeypatch):
     x = jax.device_put(value(), sharding("rows8"))
     with open_mgr(tmp_path / "c") as mgr:
         mgr.save(1, {"w": x})
-        from pitstop.core import reader as reader_mod
+        from pitstop.core.restore import read as reader_mod
         reads = []
         real = reader_mod.CheckpointReader.read_array
 

@@ -27,8 +27,8 @@ from dist_helpers import (  # noqa: E402
 )
 from dist_worker import dec, originals  # noqa: E402
 
-from pitstop.core.manifest import parse  # noqa: E402
-from pitstop.core.reader import CheckpointReader  # noqa: E402
+from pitstop.core.format.manifest import parse  # noqa: E402
+from pitstop.core.restore.read import CheckpointReader  # noqa: E402
 from pitstop.core.storage import LocalStorage  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_save_worker.py")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core import lazy
+from pitstop.core.save import lazy
 
 torch = pytest.importorskip("torch")
 

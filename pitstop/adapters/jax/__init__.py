@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..registry import register_adapter
-from ._adapter import JaxAdapter, is_typed_key
-from ._leaf import JaxArrayLeaf, allow_dtype_cast
-from ._saved import abstract_state, load_arrays
+from pitstop.adapters.jax._adapter import JaxAdapter, is_typed_key
+from pitstop.adapters.jax._leaf import JaxArrayLeaf, allow_dtype_cast
+from pitstop.adapters.jax._saved import abstract_state, load_arrays
+from pitstop.adapters.registry import register_adapter
 
 # after the adapters of specific frameworks (a Keras variable on the JAX backend is Keras's):
 # this one also takes any registered pytree node
@@ -33,11 +33,11 @@ register_adapter(JaxAdapter(), first=False)
 def __getattr__(name: str) -> Any:
     # Orbax (and the tensorstore it brings) is imported only by those who convert
     if name in ("import_orbax", "export_orbax"):
-        from . import orbax
+        from pitstop.adapters.jax import orbax
 
         return getattr(orbax, name)
     if name == "JaxCoordinator":  # multi-process saves (jax.distributed)
-        from .distributed import JaxCoordinator
+        from pitstop.adapters.jax.distributed import JaxCoordinator
 
         return JaxCoordinator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...core.errors import IncompatibleTargetError, UnsupportedStateError
-from ...core.tree import ArraySpec
-from ._leaf import JaxArrayLeaf
+from pitstop.adapters.jax._leaf import JaxArrayLeaf
+from pitstop.core.errors import IncompatibleTargetError, UnsupportedStateError
+from pitstop.core.tree import ArraySpec
 
 KEY_DATA, IMPL = "key_data", "impl"
 

@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...core.dtypes import check_savable_dtype
-from ...core.errors import CheckpointError, UnsupportedStateError
-from ...core.tree import ArrayLeaf
+from pitstop.core.errors import CheckpointError, UnsupportedStateError
+from pitstop.core.format.dtypes import check_savable_dtype
+from pitstop.core.tree import ArrayLeaf
 
 Index = tuple[tuple[int, int], ...]
 

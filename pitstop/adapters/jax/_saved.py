@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 
-from ...core.dtypes import decode_dtype
-from ...core.errors import CheckpointNotFoundError, UnsupportedStateError
-from ...core.tree import decode_value, unflatten
-from ._adapter import IMPL, KEY_DATA
-from ._leaf import describe, sharding_from
+from pitstop.adapters.jax._adapter import IMPL, KEY_DATA
+from pitstop.adapters.jax._leaf import describe, sharding_from
+from pitstop.core.errors import CheckpointNotFoundError, UnsupportedStateError
+from pitstop.core.format.dtypes import decode_dtype
+from pitstop.core.tree import decode_value, unflatten
 
 
 def abstract_state(mgr: Any, step: int | None = None) -> Any:

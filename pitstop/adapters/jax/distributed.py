@@ -43,13 +43,13 @@ import time
 from collections import Counter
 from typing import Any
 
-from ...core.coordination import CoordinationError, Coordinator
-from ...core.errors import InvalidArgumentError
+from pitstop.core.errors import InvalidArgumentError
+from pitstop.core.runtime.coordination import CoordinationError, Coordinator
 
 #: how long a rank waits for the others in one exchange by default (the slowest rank's
 #: write of its part of a save is inside one), as for torch.distributed
 DEFAULT_TIMEOUT_S = 600.0
-#: the channels of :class:`pitstop.core.coordination.Coordinator`
+#: the channels of :class:`pitstop.core.runtime.coordination.Coordinator`
 CHANNELS = ("control", "persist")
 #: the top of pitstop's keys in the coordination service's store
 ROOT = "pitstop"

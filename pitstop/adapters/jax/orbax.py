@@ -54,8 +54,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...core.arguments import step_arg
-from ...core.errors import (
+from pitstop.adapters._convert import read_step
+from pitstop.adapters.jax._adapter import IMPL, KEY_DATA, is_typed_key
+from pitstop.core.arguments import step_arg
+from pitstop.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -64,10 +66,8 @@ from ...core.errors import (
     StepExistsError,
     UnsupportedStateError,
 )
-from ...core.manager import CheckpointManager
-from ...core.tree import join
-from .._convert import read_step
-from ._adapter import IMPL, KEY_DATA, is_typed_key
+from pitstop.core.manager import CheckpointManager
+from pitstop.core.tree import join
 
 __all__ = ["import_orbax", "export_orbax"]
 

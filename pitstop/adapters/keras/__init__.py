@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import keras
 
-from ..registry import register_adapter
-from ._adapter import KerasAdapter
-from ._leaf import KerasVariableLeaf
+from pitstop.adapters.keras._adapter import KerasAdapter
+from pitstop.adapters.keras._leaf import KerasVariableLeaf
+from pitstop.adapters.registry import register_adapter
 
 if keras.backend.backend() == "torch":
     # a Keras layer is a torch.nn.Module there: load the torch adapter first, so that the
     # Keras adapter, registered in front of it, is the one asked about Keras objects
-    from .. import torch as _torch  # noqa: F401
+    from pitstop.adapters import torch as _torch  # noqa: F401
 
 register_adapter(KerasAdapter())
 
-from .callbacks import BackupAndRestore, ModelCheckpoint  # noqa: E402
-from .files import verify_file  # noqa: E402
+from pitstop.adapters.keras.callbacks import BackupAndRestore, ModelCheckpoint  # noqa: E402
+from pitstop.adapters.keras.files import verify_file  # noqa: E402
 
 __all__ = ["ModelCheckpoint", "BackupAndRestore", "KerasVariableLeaf", "verify_file"]

@@ -14,9 +14,9 @@ from typing import Any
 
 import keras
 
-from ...core.errors import IncompatibleTargetError
-from ...core.tree import ArraySpec
-from ._leaf import BACKEND, KerasVariableLeaf
+from pitstop.adapters.keras._leaf import BACKEND, KerasVariableLeaf
+from pitstop.core.errors import IncompatibleTargetError
+from pitstop.core.tree import ArraySpec
 
 _KINDS: tuple[type, ...] = (keras.Layer, keras.optimizers.Optimizer, keras.metrics.Metric,
                             keras.random.SeedGenerator)
@@ -32,7 +32,7 @@ def variables_of(obj: Any) -> list[Any]:
 def _tf_trackable(obj: Any) -> bool:
     if BACKEND != "tensorflow":
         return False
-    from ..tf import _graph  # the TensorFlow backend: TensorFlow is imported already
+    from pitstop.adapters.tf import _graph  # the TensorFlow backend: TensorFlow is imported already
 
     return bool(_graph.is_trackable(obj))
 

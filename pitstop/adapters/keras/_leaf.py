@@ -13,9 +13,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from ...core.dtypes import ML_DTYPES
-from ...core.errors import UnsupportedStateError
-from ...core.tree import ArrayLeaf
+from pitstop.core.errors import UnsupportedStateError
+from pitstop.core.format.dtypes import ML_DTYPES
+from pitstop.core.tree import ArrayLeaf
 
 BACKEND: str = keras.backend.backend()
 

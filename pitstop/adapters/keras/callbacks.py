@@ -26,11 +26,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from ...core.errors import CheckpointError, CheckpointWriteError, IncompatibleTargetError
-from ..registry import register_adapter
-from ..rng import RNG
-from . import files
-from ._leaf import BACKEND, KerasVariableLeaf, _host, numpy_dtype
+from pitstop.adapters.keras import files
+from pitstop.adapters.keras._leaf import BACKEND, KerasVariableLeaf, _host, numpy_dtype
+from pitstop.adapters.registry import register_adapter
+from pitstop.adapters.rng import RNG
+from pitstop.core.errors import CheckpointError, CheckpointWriteError, IncompatibleTargetError
 
 _KerasModelCheckpoint: Any = keras.callbacks.ModelCheckpoint
 _KerasBackupAndRestore: Any = keras.callbacks.BackupAndRestore
@@ -76,8 +76,8 @@ def _scalars(logs: Any) -> dict[str, float]:
 def _refuse_url(filepath: Any) -> None:
     """A URL (s3://, gs://, memory://) is refused here, at construction: it would otherwise
     be taken for a local folder named ``s3:``."""
-    from ...core.errors import InvalidArgumentError
-    from ...core.storage import is_url
+    from pitstop.core.errors import InvalidArgumentError
+    from pitstop.core.storage import is_url
 
     text = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
     if isinstance(text, str) and is_url(text):
@@ -482,8 +482,8 @@ def _check_manager_options(options: Any, double_checkpoint: bool) -> dict[str, A
     import inspect
     import typing
 
-    from ...core.errors import InvalidArgumentError
-    from ...core.manager import CheckpointManager
+    from pitstop.core.errors import InvalidArgumentError
+    from pitstop.core.manager import CheckpointManager
 
     if options is None:
         return {}
@@ -598,8 +598,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if self._mgr is not None and self._mgr.closed:
             self._mgr = None  # closed by a signal's save (Ctrl+C) in an earlier fit()
         if self._mgr is None:
-            from ...core.manager import CheckpointManager
-            from ...core.policy import OnSteps
+            from pitstop.core.manager import CheckpointManager
+            from pitstop.core.policy import OnSteps
 
             # the callback saves when save_freq says (save()); its step() calls are there
             # for the signals only: a policy of no step says so (no "step() never saves")

@@ -27,10 +27,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from ...core.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...core.hashing import DEFAULT, new_hasher
-from ...core.storage.local import fsync_dir
-from ._leaf import _host
+from pitstop.adapters.keras._leaf import _host
+from pitstop.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from pitstop.core.format.hashing import DEFAULT, new_hasher
+from pitstop.core.storage.local import fsync_dir
 
 RECORD_SUFFIX = ".pitstop"
 _RECORD_FORMAT = "pitstop-file-integrity"

@@ -21,12 +21,12 @@ first time a TensorFlow object shows up in a state.
 
 from __future__ import annotations
 
-from ..registry import register_adapter
-from ..rng import register_rng_provider
-from . import _rng
-from ._adapter import TensorHint, TrackableAdapter, VariableAdapter
-from ._leaf import VariableLeaf
-from .checkpoint import (
+from pitstop.adapters.registry import register_adapter
+from pitstop.adapters.rng import register_rng_provider
+from pitstop.adapters.tf import _rng
+from pitstop.adapters.tf._adapter import TensorHint, TrackableAdapter, VariableAdapter
+from pitstop.adapters.tf._leaf import VariableLeaf
+from pitstop.adapters.tf.checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
     CheckpointManager,

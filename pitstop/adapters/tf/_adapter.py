@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ...core.errors import IncompatibleTargetError, UnsupportedStateError
-from ...core.tree import ArraySpec
-from . import _graph
-from ._leaf import VariableLeaf, base_variable
+from pitstop.adapters.tf import _graph
+from pitstop.adapters.tf._leaf import VariableLeaf, base_variable
+from pitstop.core.errors import IncompatibleTargetError, UnsupportedStateError
+from pitstop.core.tree import ArraySpec
 
 
 class VariableAdapter:

@@ -45,14 +45,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object_util
 
-from ...core.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompatibleTargetError,
-    UnsupportedStateError,
-)
-from ...core.tree import ArrayLeaf, ArraySpec
-from ._leaf import (
+from pitstop.adapters.tf._leaf import (
     VariableLeaf,
     as_variable_value,
     base_variable,
@@ -60,6 +53,13 @@ from ._leaf import (
     numpy_dtype,
     tensor_to_leaf,
 )
+from pitstop.core.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleTargetError,
+    UnsupportedStateError,
+)
+from pitstop.core.tree import ArrayLeaf, ArraySpec
 
 GRAPH = ".OBJECT_GRAPH"
 #: local names of the children pitstop adds to TensorFlow's graph start so (no Python

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ...core.errors import UnsupportedStateError
-from ...core.tree import ArrayLeaf
+from pitstop.core.errors import UnsupportedStateError
+from pitstop.core.tree import ArrayLeaf
 
 
 def base_variable(obj: Any) -> tf.Variable | None:

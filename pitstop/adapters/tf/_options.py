@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from ...core.errors import InvalidArgumentError
+from pitstop.core.errors import InvalidArgumentError
 
 log = logging.getLogger("pitstop")
 

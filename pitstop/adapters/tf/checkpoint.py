@@ -38,19 +38,19 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.training.saving import saveable_object_util
 
-from ... import CheckpointManager as _CoreManager
-from ...core import memtier as memtier_mod
-from ...core.errors import (
+from pitstop import CheckpointManager as _CoreManager
+from pitstop.adapters.tf import _graph, _native
+from pitstop.adapters.tf._options import call_back as _call_back
+from pitstop.adapters.tf._options import check as _options
+from pitstop.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
 )
-from ...core.memtier import MemoryTier
-from ...core.policy import CheckpointInfo
-from . import _graph, _native
-from ._options import call_back as _call_back
-from ._options import check as _options
+from pitstop.core.policy import CheckpointInfo
+from pitstop.core.save import memtier as memtier_mod
+from pitstop.core.save.memtier import MemoryTier
 
 log = logging.getLogger("pitstop")
 
@@ -532,7 +532,7 @@ def read_tree(path: str, runs: dict[Any, _CoreManager] | None = None) -> Any:
     """The saved tree of the checkpoint at a TensorFlow-style ``path`` (a pitstop checkpoint,
     or a native TensorFlow one: ``<prefix>.index`` beside it)."""
     if os.path.exists(path + ".index"):
-        from .convert import read_native
+        from pitstop.adapters.tf.convert import read_native
         return read_native(path)
     directory, name, step = _split(path)
     if not name:

@@ -12,8 +12,8 @@ import tensorflow as tf
 from google.protobuf.message import DecodeError
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from ...core.errors import CorruptCheckpointError, UnsupportedFormatError
-from . import _graph
+from pitstop.adapters.tf import _graph
+from pitstop.core.errors import CorruptCheckpointError, UnsupportedFormatError
 
 log = logging.getLogger("pitstop")
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -132,9 +132,9 @@ def import_native(prefix: str | os.PathLike[str], directory: str | os.PathLike[s
     and a ``pitstop.adapters.tf.CheckpointManager`` on it resume from the import. ``key``
     imports one entry of the tree. Returns the step; raises
     :class:`pitstop.StepExistsError` when ``directory`` has that step already."""
-    from ...core.errors import StepExistsError
-    from ...core.manager import CheckpointManager
-    from ...core.tree import select
+    from pitstop.core.errors import StepExistsError
+    from pitstop.core.manager import CheckpointManager
+    from pitstop.core.tree import select
 
     source = os.fspath(prefix)
     tree = read_native(source)

@@ -19,10 +19,10 @@ adapter registry the first time a torch object shows up in a state.
 
 from __future__ import annotations
 
-from ..registry import exception_hints, register_adapter, staging_hooks
-from ..rng import register_rng_provider
-from . import _rng
-from ._adapter import (
+from pitstop.adapters.registry import exception_hints, register_adapter, staging_hooks
+from pitstop.adapters.rng import register_rng_provider
+from pitstop.adapters.torch import _rng
+from pitstop.adapters.torch._adapter import (
     DataLoaderHint,
     GeneratorAdapter,
     ModuleAdapter,
@@ -32,11 +32,16 @@ from ._adapter import (
     TensorAdapter,
     unwrap_module,
 )
-from ._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
-from ._sampler import ResumableLoader, ResumableSampler
-from ._workers import worker_death_hint
-from .convert import export_safetensors, export_torch_save, import_dcp, import_torch_save
-from .distributed import ProcessGroupCoordinator
+from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
+from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch._workers import worker_death_hint
+from pitstop.adapters.torch.convert import (
+    export_safetensors,
+    export_torch_save,
+    import_dcp,
+    import_torch_save,
+)
+from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
 
 for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter(),
                  SamplerAdapter()):

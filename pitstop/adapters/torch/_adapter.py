@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from pitstop.adapters.registry import has_state_dict_methods
+from pitstop.adapters.torch._dtensor import dtensor_like, is_dtensor
+from pitstop.adapters.torch._leaf import TensorLeaf, tensor_leaf, to_tensor
+from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
 from pitstop.core.errors import CheckpointError, IncompatibleTargetError, UnsupportedStateError
-
-from ._dtensor import dtensor_like, is_dtensor
-from ._leaf import TensorLeaf, tensor_leaf, to_tensor
-from ._sampler import ResumableLoader, ResumableSampler
 
 _WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule keeps the real module here
 

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pitstop.adapters.torch._leaf import TensorLeaf, named, numpy_dtype
 from pitstop.core.errors import UnsupportedStateError
 from pitstop.core.tree import ArrayLeaf
-
-from ._leaf import TensorLeaf, named, numpy_dtype
 
 Index = tuple[tuple[int, int], ...]
 

@@ -10,7 +10,7 @@ import signal
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ._workers import SIGNALS, SUPPORTED, WorkerInit
+from pitstop.adapters.torch._workers import SIGNALS, SUPPORTED, WorkerInit
 
 
 def _is_resumable_worker(process: BaseProcess) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pitstop.core.errors import UnsupportedStateError
-from pitstop.core.lazy import fence_all
+from pitstop.core.save.lazy import fence_all
 from pitstop.core.tree import ArrayLeaf
 
 log = logging.getLogger("pitstop")
@@ -225,7 +225,7 @@ class TensorLeaf(ArrayLeaf):
 def tensor_leaf(tensor: torch.Tensor, where: str = "") -> TensorLeaf:
     """The leaf for any tensor: a :class:`TensorLeaf`, or for a DTensor (FSDP2, tensor
     parallel) a sharded ``DTensorLeaf`` of its global shape holding this rank's shard."""
-    from ._dtensor import DTensorLeaf, is_dtensor
+    from pitstop.adapters.torch._dtensor import DTensorLeaf, is_dtensor
 
     if is_dtensor(tensor):
         return DTensorLeaf(tensor, where)

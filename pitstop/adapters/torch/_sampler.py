@@ -32,9 +32,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from pitstop.adapters.torch._workers import WorkerInit, start_workers
 from pitstop.core.errors import IncompatibleTargetError
-
-from ._workers import WorkerInit, start_workers
 
 log = logging.getLogger("pitstop")
 

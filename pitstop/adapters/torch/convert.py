@@ -37,18 +37,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...core.dtypes import ML_DTYPES
-from ...core.errors import (
+from pitstop.adapters._convert import atomic_write, read_step
+from pitstop.adapters.torch._adapter import clean_key
+from pitstop.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StepExistsError,
     UnsupportedStateError,
 )
-from ...core.manager import CheckpointManager
-from ...core.tree import SCALAR_TYPES, encode_value, flatten, join, select, split
-from .._convert import atomic_write, read_step
-from ._adapter import clean_key
+from pitstop.core.format.dtypes import ML_DTYPES
+from pitstop.core.manager import CheckpointManager
+from pitstop.core.tree import SCALAR_TYPES, encode_value, flatten, join, select, split
 
 log = logging.getLogger("pitstop")
 
@@ -523,7 +523,7 @@ def _check_dcp_metadata(md: Any, where: str) -> dict[str, tuple[Any, ...]]:
         TensorStorageMetadata,
     )
 
-    from ...core.manifest import MAX_BYTES, MAX_ELEMENTS, MAX_NDIM
+    from pitstop.core.format.manifest import MAX_BYTES, MAX_ELEMENTS, MAX_NDIM
 
     def _short(x: Any) -> str:
         return reprlib.repr(x)  # depth- and length-limited: a nested value never recurses

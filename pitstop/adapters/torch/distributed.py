@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...core.coordination import CoordinationError, Coordinator
-from ...core.errors import InvalidArgumentError
+from pitstop.core.errors import InvalidArgumentError
+from pitstop.core.runtime.coordination import CoordinationError, Coordinator
 
 log = logging.getLogger("pitstop")
 

@@ -17,9 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Storage, Transaction, Writer
-from .local import LocalStorage
-from .objectstore import FsspecStorage, ObjectStoreError, ObjectStoreTimeout
+from pitstop.core.storage.base import Storage, Transaction, Writer
+from pitstop.core.storage.local import LocalStorage
+from pitstop.core.storage.objectstore import FsspecStorage, ObjectStoreError, ObjectStoreTimeout
 
 __all__ = ["Storage", "Transaction", "Writer", "LocalStorage", "FsspecStorage",
            "ObjectStoreError", "ObjectStoreTimeout", "open_storage", "is_url"]
@@ -45,7 +45,7 @@ def open_storage(location: str | os.PathLike[str] | Storage, *,
         kwargs.pop("permissions", None)  # object stores have no POSIX modes (docs/security.md)
         return FsspecStorage(text, **kwargs, **dict(storage_options or {}))
     if storage_options:
-        from ..errors import InvalidArgumentError
+        from pitstop.core.errors import InvalidArgumentError
         raise InvalidArgumentError(
             f"storage_options are for object-store URLs (s3://...), not the local path {text}")
     if text.lower().startswith("file://"):

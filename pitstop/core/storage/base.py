@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from ..names import DEFAULT, Naming
+from pitstop.core.directory.names import DEFAULT, Naming
 
 
 class Writer(ABC):
@@ -118,7 +118,7 @@ class Storage(ABC):
 
     def move_aside(self, name: str, reason: str) -> str | None:
         """Move a checkpoint out of the listing, keeping its bytes (``reason``: "corrupt",
-        "abandoned"; see :mod:`pitstop.core.names`); returns the new name, or None when this
+        "abandoned"; see :mod:`pitstop.core.directory.names`); returns the new name, or None when this
         backend cannot (it then stays where it is)."""
         return None
 

@@ -17,9 +17,9 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..errors import DirectoryLockedError, StepExistsError
-from ..names import DEFAULT, Naming, aside_name, tmp_name
-from .base import Storage, Transaction, Writer
+from pitstop.core.directory.names import DEFAULT, Naming, aside_name, tmp_name
+from pitstop.core.errors import DirectoryLockedError, StepExistsError
+from pitstop.core.storage.base import Storage, Transaction, Writer
 
 #: what write_meta names its temporaries inside META_DIR (begin() and delete() name theirs
 #: by names.tmp_name): cleanup removes these only, never anything else a user keeps there

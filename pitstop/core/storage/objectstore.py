@@ -6,7 +6,7 @@ Object stores have no rename, so a save is published by an object written last:
 
 1. ``begin(name)`` refuses a step whose ``<name>/manifest.json`` exists (StepExistsError),
    then writes a *save marker* ``.tmp-<name>-<8 hex>`` (pitstop's temporary name, see
-   :mod:`pitstop.core.names`) that records the data objects the save may write, before it
+   :mod:`pitstop.core.directory.names`) that records the data objects the save may write, before it
    writes any of them.
 2. Data objects go straight to ``<name>/data-NNN.bin``: large ones as parallel multipart
    uploads (``part_size`` parts, at most ``max_concurrency`` requests in flight), each
@@ -55,10 +55,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, DirectoryLockedError, InvalidArgumentError, StepExistsError
-from ..memtier import boot_id
-from ..names import DEFAULT, Naming, aside_name, tmp_name
-from .base import Storage, Transaction, Writer
+from pitstop.core.directory.names import DEFAULT, Naming, aside_name, tmp_name
+from pitstop.core.errors import (
+    CheckpointError,
+    DirectoryLockedError,
+    InvalidArgumentError,
+    StepExistsError,
+)
+from pitstop.core.save.memtier import boot_id
+from pitstop.core.storage.base import Storage, Transaction, Writer
 
 log = logging.getLogger("pitstop")
 

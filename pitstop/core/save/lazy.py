@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CheckpointError
+from pitstop.core.errors import CheckpointError
 
 #: arrays smaller than this are copied at save() even when lazy-safe (a background copy of
 #: a few bytes costs more in bookkeeping than it saves)
@@ -160,7 +160,7 @@ class LazyCopy:
                 hook(self.step)
             if self.started.is_set():
                 self.run()  # help: copy what is left on this thread too
-            from .engine import wait_event
+            from pitstop.core.save.engine import wait_event
             wait_event(self.done)
             waited = time.perf_counter() - t0
             self.fence_wait_s += waited

@@ -1,7 +1,7 @@
 """Recovering a crashed job's newest snapshot from the memory tier.
 
 At construction the manager looks for a snapshot this directory's previous writer left in
-shared memory (see :mod:`pitstop.core.memtier` for when one is trusted). A trusted one is
+shared memory (see :mod:`pitstop.core.save.memtier` for when one is trusted). A trusted one is
 verified (or, if the writer died before sealing it, hashed now), adopted as a staging
 buffer, restored from directly by ``restore()`` / ``load()``, and persisted to disk in the
 background like any save. From the moment it is adopted it counts as the newest step.
@@ -13,13 +13,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
-from .errors import CheckpointError
-from .manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces
-from .memtier import MemoryTier, malformed
-from .reader import CheckpointReader
-from .snapshot import StagingBuffer, StagingPool
-from .tree import decode_value
+from pitstop.core.errors import CheckpointError
+from pitstop.core.format.manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces
+from pitstop.core.restore.read import CheckpointReader
+from pitstop.core.save.engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
+from pitstop.core.save.memtier import MemoryTier, malformed
+from pitstop.core.save.snapshot import StagingBuffer, StagingPool
+from pitstop.core.tree import decode_value
 
 log = logging.getLogger("pitstop")
 

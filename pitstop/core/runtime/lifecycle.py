@@ -15,12 +15,12 @@ import time
 import warnings
 from typing import Any
 
-from .engine import Engine
-from .errors import CheckpointError
-from .memtier import MemoryTier
-from .recovery import Recovered
-from .signals import SignalSaver, signal_name
-from .snapshot import StagingPool
+from pitstop.core.directory.recovery import Recovered
+from pitstop.core.errors import CheckpointError
+from pitstop.core.runtime.signals import SignalSaver, signal_name
+from pitstop.core.save.engine import Engine
+from pitstop.core.save.memtier import MemoryTier
+from pitstop.core.save.snapshot import StagingPool
 
 log = logging.getLogger("pitstop")
 
@@ -179,7 +179,7 @@ def lost_signal_message(signum: int, signals: SignalSaver, exc: BaseException | 
 
 
 def _hint_for(exc: BaseException) -> str | None:
-    from ..adapters.registry import exception_hints
+    from pitstop.adapters.registry import exception_hints
     for hint in exception_hints:
         try:
             text = hint(exc)

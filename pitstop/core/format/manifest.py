@@ -18,10 +18,10 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dtypes import decode_dtype
-from .errors import CorruptCheckpointError, UnsupportedFormatError
-from .names import Naming
-from .tree import MAX_DEPTH, StructureError, check_structure, decode_value, encode_value
+from pitstop.core.directory.names import Naming
+from pitstop.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from pitstop.core.format.dtypes import decode_dtype
+from pitstop.core.tree import MAX_DEPTH, StructureError, check_structure, decode_value, encode_value
 
 FORMAT = "pitstop-checkpoint"
 FORMAT_VERSION = "1.1"
@@ -208,7 +208,7 @@ class Manifest:
 
     def to_bytes(self, sealer: Any = None) -> bytes:
         """The manifest's bytes, sealed: with a plain hash, or (encrypted, ``sealer``: the
-        :class:`~pitstop.core.crypto.Encryption`) with an HMAC under the key."""
+        :class:`~pitstop.core.format.crypto.Encryption`) with an HMAC under the key."""
         sharded = any(e.shards is not None for e in self.arrays.values())
         version = WORLD_VERSION if self.world > 1 else \
             SHARDED_VERSION if sharded else FORMAT_VERSION
@@ -336,7 +336,7 @@ _HASH_KEY = b',"manifest_hash":"'
 def seal(body: bytes, algorithm: str) -> bytes:
     """Append ``"manifest_hash"``: the hash of the manifest's bytes without that field, so
     the values, metrics and layout the manifest itself carries are covered too (format 1.1)."""
-    from .hashing import hash_bytes
+    from pitstop.core.format.hashing import hash_bytes
     digest = hash_bytes(algorithm, body)
     return body[:-1] + _HASH_KEY + digest.encode() + b'"}'
 
@@ -350,7 +350,7 @@ def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:
                 f"{where}: manifest_hash is missing (every manifest since format 1.1 has one)",
                 checkpoint=where, file="manifest.json")
         return
-    from .hashing import ALGORITHMS, hash_bytes
+    from pitstop.core.format.hashing import ALGORITHMS, hash_bytes
     suffix = _HASH_KEY + str(digest).encode() + b'"}'
     algorithm = doc.get("hash_algorithm")
     if not data.endswith(suffix) or not isinstance(algorithm, str) or \
@@ -560,7 +560,7 @@ def _parse(data: bytes, where: str, encryption: Any) -> Manifest:
                                      checkpoint=where, file="manifest.json")
     major = int(version.split(".")[0])
     if encrypted:
-        from .crypto import check_sealed
+        from pitstop.core.format.crypto import check_sealed
         check_sealed(data, doc, where, encryption)
     elif 1 <= major <= MAJOR:
         check_seal(data, doc, where)
@@ -599,7 +599,7 @@ MAX_BYTES = 1 << 60
 
 def _check_encrypted(m: Manifest) -> None:
     """Every stored array is encrypted exactly when the manifest says it is."""
-    from .crypto import split
+    from pitstop.core.format.crypto import split
     if m.refs and m.encryption is not None:
         raise ValueError("an encrypted manifest with references (refs): pitstop writes none")
     if m.encryption is None and not m.ranks and all(
@@ -791,7 +791,7 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
     step = doc["step"]
     if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError(f"step {step!r} is not an integer")
-    from .hashing import ALGORITHMS
+    from pitstop.core.format.hashing import ALGORITHMS
     if doc["hash_algorithm"] not in ALGORITHMS:
         raise ValueError(f"unknown hash_algorithm {_brief(doc['hash_algorithm'])}")
     structure = doc.get("structure")

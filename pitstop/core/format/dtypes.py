@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import UnsupportedStateError
+from pitstop.core.errors import UnsupportedStateError
 
 _ML_NAMES = [
     "bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",

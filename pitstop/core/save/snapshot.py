@@ -4,7 +4,7 @@ A snapshot copies every array leaf into one contiguous staging buffer at aligned
 Buffers are allocated once per layout (keys, shapes, dtypes) and reused while it stays the
 same, so the steady state allocates nothing. With the memory tier on, the buffer is a file
 in ``/dev/shm``: the same copy then outlives a crashed process, and a restart can restore
-from it and finish persisting it (see :mod:`pitstop.core.memtier`).
+from it and finish persisting it (see :mod:`pitstop.core.save.memtier`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import encode_dtype
-from .errors import CheckpointError
-from .manifest import SHARD_MARK
-from .tree import ArrayLeaf
+from pitstop.core.errors import CheckpointError
+from pitstop.core.format.dtypes import encode_dtype
+from pitstop.core.format.manifest import SHARD_MARK
+from pitstop.core.tree import ArrayLeaf
 
 log = logging.getLogger("pitstop")
 
@@ -107,7 +107,7 @@ class StagingBuffer:
         if shm_path is not None:
             # a memory-tier file in a directory every user shares (/dev/shm): made new,
             # owner-only, never through a symlink; attached only when this user owns it
-            from .memtier import create_owned, untrusted_file
+            from pitstop.core.save.memtier import create_owned, untrusted_file
             if attach:
                 fd = os.open(shm_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             else:

@@ -14,16 +14,17 @@ from typing import Any, Protocol
 import numpy as np
 import zstandard
 
-from . import codecs
-from .dtypes import decode_dtype
-from .errors import (
+from pitstop.core.directory.names import DEFAULT, Naming
+from pitstop.core.errors import (
     CheckpointError,
     CorruptCheckpointError,
     EncryptionKeyError,
     IncompatibleTargetError,
 )
-from .hashing import new_hasher
-from .manifest import (
+from pitstop.core.format import codecs
+from pitstop.core.format.dtypes import decode_dtype
+from pitstop.core.format.hashing import new_hasher
+from pitstop.core.format.manifest import (
     PARSE_FRAMES,
     ArrayEntry,
     Manifest,
@@ -32,10 +33,9 @@ from .manifest import (
     on_fresh_stack,
     parse,
 )
-from .names import DEFAULT, Naming
-from .restore import RestoredStep, RestorePlan, RestoreReport
-from .storage.local import MANIFEST, pread_full
-from .tree import FlatState, decode_value, join, unflatten
+from pitstop.core.restore.plan import RestoredStep, RestorePlan, RestoreReport
+from pitstop.core.storage.local import MANIFEST, pread_full
+from pitstop.core.tree import FlatState, decode_value, join, unflatten
 
 READ_CHUNK = 16 << 20
 SMALL = 1 << 20
@@ -355,7 +355,7 @@ class CheckpointReader:
     def _read_encrypted(self, key: str, entry: ArrayEntry, raw: np.ndarray, h: Any) -> None:
         """Decrypt one stored array segment by segment (straight into ``raw`` when it is not
         compressed), then check the stored bytes' hash (see :mod:`.crypto`)."""
-        from .crypto import split
+        from pitstop.core.format.crypto import split
         base, _enc = split(entry.codec)
         cipher = self._cipher
         plain = cipher.plain_length(entry.length)
@@ -672,7 +672,7 @@ def _os_error(where: str, fname: str, e: OSError) -> CheckpointError:
         # LocalStorage refusing a path that leads outside the checkpoint (a symlink), or a
         # file with a second name: that one stays in place (``linked``)
         err = CorruptCheckpointError(f"{where}: {e}", checkpoint=where, file=fname)
-        from .storage.local import LinkedFileError
+        from pitstop.core.storage.local import LinkedFileError
         err.linked = isinstance(e, LinkedFileError)
         return err
     if e.errno in _STRUCTURAL:

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError, InvalidArgumentError
-from .manifest import Manifest, load_json, peek_header
-from .names import DEFAULT, Naming
-from .policy import (
+from pitstop.core.directory.names import DEFAULT, Naming
+from pitstop.core.errors import CheckpointError, InvalidArgumentError
+from pitstop.core.format.manifest import Manifest, load_json, peek_header
+from pitstop.core.policy import (
     CheckpointInfo,
     KeepAll,
     KeepBest,
@@ -34,8 +34,8 @@ from .policy import (
     RetentionPolicy,
     to_delete,
 )
-from .reader import CheckpointReader
-from .storage import Storage
+from pitstop.core.restore.read import CheckpointReader
+from pitstop.core.storage import Storage
 
 log = logging.getLogger("pitstop")
 
@@ -47,7 +47,7 @@ INDEX = "index.json"
 @dataclass(frozen=True)
 class Identity:
     """What ``.pitstop/directory.json`` says: the directory's id and how its checkpoints are
-    named (:data:`~pitstop.core.names.DEFAULT` where no naming is recorded: older pitstop)."""
+    named (:data:`~pitstop.core.directory.names.DEFAULT` where no naming is recorded: older pitstop)."""
 
     directory_id: str
     naming: Naming
@@ -169,7 +169,7 @@ def identity_of_checkpoints(storage: Storage, naming: Naming) -> Identity | None
     copied in), no id can be trusted: raises. It proves nothing, so it trusts nothing: it
     refuses writers that would mix kinds, finds the key for a reader and binds the reads
     to the id (``CheckpointReader`` then checks each manifest's seal)."""
-    from .storage.local import MANIFEST
+    from pitstop.core.storage.local import MANIFEST
     names = sorted((s, n) for n in storage.list_checkpoints()
                    if (s := naming.parse(n)) is not None)
     if not names:
@@ -210,7 +210,7 @@ def sealed_sections(storage: Storage, naming: Naming, aside: bool = True,
     used only to refuse (a plaintext checkpoint beside it, a replayed one), never to trust.
     ``strict``: a manifest that is there but cannot be read raises its OSError (one vanished
     meanwhile is passed over); otherwise it is passed over too."""
-    from .storage.local import MANIFEST
+    from pitstop.core.storage.local import MANIFEST
     for name in storage.list_checkpoints():
         if naming.parse(name) is None and not (aside and ".abandoned-" in name or
                                                aside and ".corrupt-" in name):
@@ -291,7 +291,7 @@ def check_encryption(location: str, identity: Identity | None, encryption: Any,
     """Whether a manager with ``encryption`` (or None) may use this directory; True when its
     identity must now record encryption (a plaintext directory without checkpoints). A
     writer never mixes plaintext and encrypted checkpoints, nor two keys, in one directory."""
-    from .errors import EncryptionKeyError
+    from pitstop.core.errors import EncryptionKeyError
     recorded = identity.encryption if identity is not None else None
     if recorded is not None and encryption is None:
         raise EncryptionKeyError(
@@ -422,7 +422,7 @@ class Catalog:
         self.aside_seen = False
         #: an abandoned checkpoint's name -> the checkpoints its manifest references
         self._aside_refs: dict[str, tuple[str, ...]] = {}
-        #: the writer's skipped periodic saves (pitstop.core.skips.SkippedSaves), recorded in
+        #: the writer's skipped periodic saves (pitstop.core.save.skips.SkippedSaves), recorded in
         #: directory.json after each commit that follows new ones
         self.skips: Any = None
 
@@ -445,7 +445,7 @@ class Catalog:
         directory, each with the checkpoints whose data its manifest references: pitstop
         keeps those (it says so when it moves them aside), so the holders they read from
         stay too, until they are deleted."""
-        from .storage.local import MANIFEST
+        from pitstop.core.storage.local import MANIFEST
         out: dict[str, tuple[str, ...]] = {}
         for entry in self.storage.list_checkpoints():
             base, sep, _rest = entry.rpartition(".abandoned-")
@@ -618,7 +618,7 @@ class Catalog:
         for name, section in sealed_sections(self.storage, self.naming, aside=False):
             step, later = self.naming.parse(name), section.get("seq")
             if step is not None and step < manifest.step and type(later) is int and later > seq:
-                from .errors import CorruptCheckpointError
+                from pitstop.core.errors import CorruptCheckpointError
                 raise CorruptCheckpointError(
                     f"{where}: step {manifest.step} was saved before step {step} "
                     f"({self.storage.path_of(name)}), which continues from an older step: it "
@@ -645,8 +645,8 @@ class Catalog:
         """The leading fields of a plaintext checkpoint's manifest, seal checked, when they
         are of the step its name holds; ``{"directory_id": None}`` (not ours) when it cannot
         be read or its seal fails; None when only a whole parse can tell (see
-        :func:`~pitstop.core.manifest.peek_header`)."""
-        from .storage.local import MANIFEST
+        :func:`~pitstop.core.format.manifest.peek_header`)."""
+        from pitstop.core.storage.local import MANIFEST
         name = self.naming.name(step)
         try:
             head = peek_header(self.storage.read_bytes(name, MANIFEST),

@@ -26,8 +26,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError
-from .manifest import SHARD_MARK
+from pitstop.core.errors import CheckpointError
+from pitstop.core.format.manifest import SHARD_MARK
 
 
 class CoordinationError(CheckpointError):

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import supervised
+from pitstop.core.runtime import supervised
 
 log = logging.getLogger("pitstop")
 
@@ -189,7 +189,7 @@ def _forwarding_launcher() -> str | None:
 def check_signals(names: Iterable[str | int] | None) -> list[int]:
     """The signal numbers of ``save_on_signals``, every one checked before any is installed:
     known, and one a handler can catch (not SIGKILL or SIGSTOP)."""
-    from .errors import InvalidArgumentError
+    from pitstop.core.errors import InvalidArgumentError
     if names is None:
         return []
     if isinstance(names, (str, int)):

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .dtypes import decode_dtype
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
-from .manifest import ArrayEntry, Manifest
-from .tree import (
+from pitstop.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
+from pitstop.core.format.dtypes import decode_dtype
+from pitstop.core.format.manifest import ArrayEntry, Manifest
+from pitstop.core.tree import (
     ArraySpec,
     FlatState,
     NumpyLeaf,
@@ -46,7 +46,7 @@ from .tree import (
 )
 
 if TYPE_CHECKING:
-    from .reader import CheckpointReader
+    from pitstop.core.restore.read import CheckpointReader
 
 ROOT = "<root>"
 
@@ -785,7 +785,7 @@ def _batched(todo: list[tuple[str, Any, ArrayEntry]], reader: CheckpointReader) 
     runs of one data file, ``([(key, entry, view), ...], first entry)``: read by
     :meth:`CheckpointReader.read_plain_run` a window at a time (100,000 small tensors cost
     a few large reads and a short loop step each); the rest stay one item each."""
-    from .reader import RUN_MAX, RUN_MIN, SMALL
+    from pitstop.core.restore.read import RUN_MAX, RUN_MIN, SMALL
     if len(todo) < RUN_MIN or reader._cipher is not None:
         return todo
     out: list[Any] = []

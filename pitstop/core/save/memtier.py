@@ -39,9 +39,9 @@ import socket
 import stat
 from typing import Any
 
-from .dtypes import decode_dtype, encode_dtype
-from .snapshot import Layout, StagingBuffer
-from .tree import encode_value
+from pitstop.core.format.dtypes import decode_dtype, encode_dtype
+from pitstop.core.save.snapshot import Layout, StagingBuffer
+from pitstop.core.tree import encode_value
 
 log = logging.getLogger("pitstop")
 
@@ -382,7 +382,7 @@ _FILE = re.compile(r"^-\d+\.(buf|json|json\.tmp)$")
 
 
 def _is_url(location: str) -> bool:
-    from .storage import is_url
+    from pitstop.core.storage import is_url
     return is_url(location)
 
 
@@ -417,7 +417,7 @@ def layout_from_json(doc: Any) -> Layout:
     """The layout a tier description records, checked before anything is mapped with it:
     distinct keys, known dtypes, sane shapes, each array's bytes (its shape times its
     itemsize) inside the buffer's total; ValueError otherwise."""
-    from .manifest import MAX_BYTES, MAX_NDIM
+    from pitstop.core.format.manifest import MAX_BYTES, MAX_NDIM
 
     if not isinstance(doc, dict) or not isinstance(doc.get("arrays"), list):
         raise ValueError("it has no list of arrays")

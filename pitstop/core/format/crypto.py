@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
+from pitstop.core.errors import (
     CheckpointError,
     CorruptCheckpointError,
     EncryptionKeyError,

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidArgumentError
+from pitstop.core.errors import InvalidArgumentError
 
 #: reasons a checkpoint is moved aside (kept whole, never listed, never deleted by pitstop)
 MOVED_ASIDE = ("corrupt", "abandoned")

@@ -32,16 +32,24 @@ from typing import Any
 
 import numpy as np
 
-from . import codecs
-from .coordination import CoordinationError, Coordinator, Holding, plan
-from .dtypes import encode_dtype, is_inexact
-from .errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
-from .hashing import new_hasher
-from .lazy import LAZY_MIN_BYTES, LazyCopy, LazyVersionError
-from .manifest import SHARD_MARK, ArrayEntry, Manifest, RankView, group_pieces, parse, piece_key
-from .snapshot import Layout, StagingBuffer, StagingPool
-from .storage import Storage
-from .tree import ArrayLeaf, FlatState, NumpyLeaf
+from pitstop.core.errors import CheckpointError, CheckpointWriteError, UnsupportedStateError
+from pitstop.core.format import codecs
+from pitstop.core.format.dtypes import encode_dtype, is_inexact
+from pitstop.core.format.hashing import new_hasher
+from pitstop.core.format.manifest import (
+    SHARD_MARK,
+    ArrayEntry,
+    Manifest,
+    RankView,
+    group_pieces,
+    parse,
+    piece_key,
+)
+from pitstop.core.runtime.coordination import CoordinationError, Coordinator, Holding, plan
+from pitstop.core.save.lazy import LAZY_MIN_BYTES, LazyCopy, LazyVersionError
+from pitstop.core.save.snapshot import Layout, StagingBuffer, StagingPool
+from pitstop.core.storage import Storage
+from pitstop.core.tree import ArrayLeaf, FlatState, NumpyLeaf
 
 log = logging.getLogger("pitstop")
 
@@ -279,7 +287,7 @@ class Engine:
         self.incremental = incremental and coordinator is None and encryption is None
         #: what the last commit holds, for incremental saves (None: nothing known yet)
         self._previous: _Previous | None = None
-        #: a :class:`~pitstop.core.crypto.Encryption`: every data file and manifest encrypted
+        #: a :class:`~pitstop.core.format.crypto.Encryption`: every data file and manifest encrypted
         self.encryption = encryption
         #: the ``seq`` of the last encrypted save in the directory (set by the manager from
         #: its checkpoints): each save records the next, so a checkpoint of an abandoned run
@@ -361,7 +369,7 @@ class Engine:
             deferred: list[tuple[str, ArrayLeaf, np.ndarray]] = []
             if self.lazy:
                 # copied now: what the next forward pass may write (buffers), numpy arrays,
-                # small arrays; the rest after save() returns (see pitstop.core.lazy)
+                # small arrays; the rest after save() returns (see pitstop.core.save.lazy)
                 eager: list[tuple[str, ArrayLeaf, np.ndarray]] = []
                 for k, leaf, view in zip(arrays, arrays.values(), buf.view_list, strict=True):
                     later = leaf.lazy_safe and leaf.lazy_guard is not None and \
@@ -451,7 +459,7 @@ class Engine:
 
     def _start_lazy(self, step: int, deferred: list[tuple[str, ArrayLeaf, np.ndarray]],
                     buf: StagingBuffer) -> None:
-        """Start the copy of ``deferred`` on the copy threads (see :mod:`pitstop.core.lazy`):
+        """Start the copy of ``deferred`` on the copy threads (see :mod:`pitstop.core.save.lazy`):
         contiguous host arrays in chunks, so several threads (and a fence that finds the copy
         unfinished) share one large tensor; each adapter's guard installs its fence."""
         tasks: list[Callable[[], None]] = []
@@ -864,7 +872,7 @@ class Engine:
             self._previous = None
 
     def _persist_world(self, job: PersistJob, name: str, coord: Coordinator) -> Manifest:
-        """One multi-rank save (see :mod:`pitstop.core.coordination`): three exchanges that
+        """One multi-rank save (see :mod:`pitstop.core.runtime.coordination`): three exchanges that
         every rank makes whatever happens locally, so no rank waits for one that gave up."""
         buf = job.buffer
         layout = buf.layout if buf is not None else Layout((), (), (), (), (), 0)
@@ -1152,7 +1160,7 @@ class Engine:
 
     def _lazy_check(self, job: PersistJob) -> None:
         """Before the commit: no lazily copied array was written in place before the first
-        fence after its save (see :mod:`pitstop.core.lazy`)."""
+        fence after its save (see :mod:`pitstop.core.save.lazy`)."""
         if job.lazy is not None:
             try:
                 job.lazy.check_final()
@@ -1242,7 +1250,7 @@ class Engine:
         """Write the arrays ``group`` (indices into the layout, ascending) as one data file;
         a multi-rank save passes the part of a group this rank writes (``prefix``: its
         rank, so the ranks' file names never collide). ``cipher``: encrypt each array's
-        (compressed) bytes segment by segment (see :mod:`pitstop.core.crypto`).
+        (compressed) bytes segment by segment (see :mod:`pitstop.core.format.crypto`).
         ``hash_while_writing``: plain bytes whose hashes are not in ``hashes`` yet: each
         chunk is hashed just before it is written."""
         if not group:
@@ -1286,7 +1294,7 @@ class Engine:
             elif cipher is not None:
                 # compressed first (when on), then encrypted segment by segment into one
                 # page-aligned buffer, written in whole pages (O_DIRECT where allowed)
-                from .crypto import OVERHEAD, Sink, codec_of
+                from pitstop.core.format.crypto import OVERHEAD, Sink, codec_of
                 # the largest segment of these arrays (compressed ones may grow a little)
                 most = cipher.segment if self.compression not in (None, "none") else \
                     min(cipher.segment, max(layout.nbytes[i] for i in group))
@@ -1470,7 +1478,7 @@ def check_timeout(timeout: Any) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        from .errors import InvalidArgumentError
+        from pitstop.core.errors import InvalidArgumentError
         raise InvalidArgumentError(f"timeout must be a number of seconds or None, got "
                                    f"{timeout!r}")
     return float(timeout)
@@ -1486,5 +1494,5 @@ def hash_chunks(algorithm: str, data: Any) -> str:
 
 
 def _version() -> str:
-    from .._version import __version__
+    from pitstop._version import __version__
     return __version__

@@ -1,0 +1,1 @@
+"""A checkpoint directory: its identity and index, names, retention records, recovery."""

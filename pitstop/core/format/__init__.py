@@ -1,0 +1,1 @@
+"""The on-disk format: the manifest, array codecs and dtypes, hashing, encryption."""
