@@ -182,13 +182,18 @@ def spawn(code: str, *args: str, user: int | None = None) -> subprocess.Popen[st
             os.setgid(user)
             os.setgroups([])
             os.setuid(user)
-    return subprocess.Popen([PY, "-c", code, *args], env=env, cwd=str(ROOT), text=True,
+    # -X faulthandler: a SIGABRT (see _stacks) prints every thread's stack before it dies
+    return subprocess.Popen([PY, "-X", "faulthandler", "-c", code, *args], env=env,
+                            cwd=str(ROOT), text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=pre)
 
 
-def read_json_line(proc: subprocess.Popen[str], timeout: float = 120) -> Any:
-    """The next JSON line the child prints (other lines skipped); raises when it exits."""
+def read_json_line(proc: subprocess.Popen[str], timeout: float = 120,
+                   waiting: str = "a line") -> Any:
+    """The next JSON line the child prints (other lines skipped); raises ChildDied when it
+    exits, and TimeoutError (``waiting``: what for) with the child's stacks when it prints
+    nothing in time (the child is then ended)."""
     import selectors
     import time
     assert proc.stdout is not None
@@ -199,7 +204,9 @@ def read_json_line(proc: subprocess.Popen[str], timeout: float = 120) -> Any:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
-                raise TimeoutError("the child said nothing in time")
+                raise TimeoutError(f"the child (pid {proc.pid}) said nothing in {timeout:g} s "
+                                   f"while the parent waited for {waiting}; its stacks:\n"
+                                   + _stacks(proc))
             line = proc.stdout.readline()
             if not line:
                 err = proc.stderr.read() if proc.stderr else ""
@@ -208,6 +215,21 @@ def read_json_line(proc: subprocess.Popen[str], timeout: float = 120) -> Any:
                 return json.loads(line)
     finally:
         sel.close()
+
+
+def _stacks(proc: subprocess.Popen[str]) -> str:
+    """End a silent child with SIGABRT, so that its faulthandler prints every thread's stack
+    on its stderr, and return that (the tail of what it wrote there)."""
+    import signal
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=60)  # the dump is written before it dies (or it is stuck in D)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
+    err = proc.stderr.read() if proc.stderr else ""
+    return err[-6000:] or "(it wrote nothing on stderr)"
 
 
 class ChildDied(RuntimeError):
