@@ -182,32 +182,71 @@ def spawn(code: str, *args: str, user: int | None = None) -> subprocess.Popen[st
             os.setgid(user)
             os.setgroups([])
             os.setuid(user)
-    return subprocess.Popen([PY, "-c", code, *args], env=env, cwd=str(ROOT), text=True,
+    # -X faulthandler: a SIGABRT (see _stacks) prints every thread's stack before it dies
+    return subprocess.Popen([PY, "-X", "faulthandler", "-c", code, *args], env=env,
+                            cwd=str(ROOT), text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=pre)
 
 
-def read_json_line(proc: subprocess.Popen[str], timeout: float = 120) -> Any:
-    """The next JSON line the child prints (other lines skipped); raises when it exits."""
+def read_json_line(proc: subprocess.Popen[str], timeout: float = 120,
+                   waiting: str = "a line") -> Any:
+    """The next JSON line the child prints (other lines skipped); raises ChildDied when it
+    exits, and TimeoutError (``waiting``: what for) with the child's stacks when it prints
+    nothing in time (the child is then ended).
+
+    Lines are read from the pipe itself into a buffer kept on ``proc``, never through
+    ``proc.stdout``: its reader takes every line already in the pipe, and a wait on the
+    pipe does not see those again, so a child that printed two lines before the parent
+    read and then waited for the parent (``two_writers``: a commit, then "held") looked
+    silent."""
     import selectors
     import time
     assert proc.stdout is not None
+    pending: bytearray = proc.__dict__.setdefault("_json_lines_pending", bytearray())
+    fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     try:
         while True:
+            while b"\n" in pending:
+                cut = pending.index(b"\n") + 1
+                line = pending[:cut].decode(errors="replace")
+                del pending[:cut]
+                if line.startswith("{") or line.startswith("["):
+                    return json.loads(line)
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
-                raise TimeoutError("the child said nothing in time")
-            line = proc.stdout.readline()
-            if not line:
-                err = proc.stderr.read() if proc.stderr else ""
-                raise ChildDied(f"the child exited ({proc.wait()}): {err[-2000:]}")
-            if line.startswith("{") or line.startswith("["):
-                return json.loads(line)
+                raise TimeoutError(f"the child (pid {proc.pid}) said nothing in {timeout:g} s "
+                                   f"while the parent waited for {waiting}; its stacks:\n"
+                                   + _stacks(proc))
+            chunk = os.read(fd, 1 << 16)
+            if chunk:
+                pending += chunk
+                continue
+            if pending:  # a last line without its newline
+                pending += b"\n"
+                continue
+            err = proc.stderr.read() if proc.stderr else ""
+            raise ChildDied(f"the child exited ({proc.wait()}): {err[-2000:]}")
     finally:
         sel.close()
+
+
+def _stacks(proc: subprocess.Popen[str]) -> str:
+    """End a silent child with SIGABRT, so that its faulthandler prints every thread's stack
+    on its stderr, and return that (the tail of what it wrote there)."""
+    import signal
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=60)  # the dump is written before it dies (or it is stuck in D)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
+    err = proc.stderr.read() if proc.stderr else ""
+    return err[-6000:] or "(it wrote nothing on stderr)"
 
 
 class ChildDied(RuntimeError):

@@ -365,8 +365,8 @@ def _two_writers_trial(res: Result, seed: int, t: int, d: Path) -> None:
     first = spawn(_WRITER, str(d), str(seed), str(n), "1" if tier else "0", str(keep),
                   point, str(before_kill))
     try:
-        pid = read_json_line(first)["pid"]
-        seen = [read_json_line(first)["committed"]]
+        pid = read_json_line(first, waiting="its pid")["pid"]
+        seen = [read_json_line(first, waiting="its first commit")["committed"]]
         # the second writer, while the first lives: refused, naming the holder
         listed = committed_on_disk(d)
         try:
@@ -387,7 +387,7 @@ def _two_writers_trial(res: Result, seed: int, t: int, d: Path) -> None:
         if lost:
             res.fail(f"{where}: the refused writer's attempt lost steps {lost}")
         while True:
-            line = read_json_line(first)
+            line = read_json_line(first, waiting=f"a commit or 'held' after {seen}")
             if "held" in line:
                 res.bump(f"killed_held_{point}")
                 break
@@ -396,6 +396,9 @@ def _two_writers_trial(res: Result, seed: int, t: int, d: Path) -> None:
                 break
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
+    except (ChildDied, TimeoutError) as e:
+        res.fail(f"{where}: the first writer: {e}")
+        return
     finally:
         end(first)
     res.bump("killed")
