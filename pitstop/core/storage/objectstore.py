@@ -205,6 +205,10 @@ class _Ops:
         """Abort unfinished multipart uploads of ``keys`` (under ``prefix``); returns keys."""
         return []
 
+    def list_uploads(self, prefix: str) -> set[str]:
+        """The keys under ``prefix`` that have unfinished multipart uploads."""
+        return set()
+
 
 # ---------------------------------------------------------------------- S3
 def _human(n: int) -> str:
@@ -588,19 +592,28 @@ class _S3Ops(_Ops):
 
     async def _abort_uploads(self, prefix: str, keys: set[str]) -> list[str]:
         aborted = []
+        for key, upload_id in await self._list_uploads(prefix):
+            if key in keys:  # every upload of the key: a late-started one as well
+                with contextlib.suppress(FileNotFoundError):
+                    await self._call("abort_multipart_upload", key,
+                                     "aborting an unfinished upload", UploadId=upload_id)
+                if key not in aborted:
+                    aborted.append(key)
+        return aborted
+
+    def list_uploads(self, prefix: str) -> set[str]:
+        return {key for key, _ in self.run(self._list_uploads, prefix)}
+
+    async def _list_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of every unfinished multipart upload under ``prefix``."""
+        out: list[tuple[str, str]] = []
         kw: dict[str, Any] = {"Prefix": prefix}
         while True:
             r = await self._call("list_multipart_uploads", None, "listing unfinished uploads",
                                  **kw)
-            for up in r.get("Uploads") or []:
-                if up.get("Key") in keys:
-                    with contextlib.suppress(FileNotFoundError):
-                        await self._call("abort_multipart_upload", str(up["Key"]),
-                                         "aborting an unfinished upload",
-                                         UploadId=up["UploadId"])
-                    aborted.append(str(up["Key"]))
+            out += [(str(up["Key"]), str(up["UploadId"])) for up in r.get("Uploads") or []]
             if not r.get("IsTruncated"):
-                return aborted
+                return out
             kw = {"Prefix": prefix, "KeyMarker": r.get("NextKeyMarker"),
                   "UploadIdMarker": r.get("NextUploadIdMarker")}
 
@@ -964,6 +977,8 @@ class FsspecStorage(Storage):
         #: save markers this process could not clean after a failed save (retried at the
         #: next save of the same name)
         self._orphans: set[tuple[str, str]] = set()
+        #: keys the open saves of this storage write (their uploads are this writer's own)
+        self._writing: set[str] = set()
 
     def _make_ops(self, protocol: str, rest: str, options: dict[str, Any]) -> _Ops:
         try:
@@ -1034,6 +1049,7 @@ class FsspecStorage(Storage):
         other._generation = {}
         other._gen_lock = threading.Lock()
         other._orphans = set()
+        other._writing = set()
         return other
 
     # ------------------------------------------------------------------ keys
@@ -1212,6 +1228,26 @@ class FsspecStorage(Storage):
         for entry in sorted(listing.meta):
             if _is_tmp_meta(entry):
                 out.append(Leftover(f"{META_DIR}/{entry}", "", "meta", [], []))
+        return out + self._stray_uploads(naming, out)
+
+    def _stray_uploads(self, naming: Naming, found: list[Leftover]) -> list[Leftover]:
+        """Unfinished multipart uploads of objects ``<checkpoint>/<file>`` (a name of
+        ``naming``, or a moved-aside one) that no save of this storage is writing and no
+        leftover in ``found`` names: a request the store carried out late (a stalled
+        server, a writer that lost its lock), or a save whose marker is gone."""
+        named = {self._key(item.name, f) for item in found for f in item.uploads}
+        with self._gen_lock:
+            named |= self._writing
+        out = []
+        for key in sorted(self._ops.list_uploads(self._key() + "/" if self.root else "")):
+            if key in named or (self.root and not key.startswith(self.root + "/")):
+                continue
+            name, sep, rel = self._rel(key).partition("/")
+            if not sep or not rel or "/" in rel or rel in (".", ".."):
+                continue
+            if naming.parse(name) is None and naming.parse_aside(name) is None:
+                continue
+            out.append(Leftover(f"{name}/{rel}", name, "upload", [], [rel]))
         return out
 
     def _leftover_of(self, entry: str, listing: ObjectListing,
@@ -1263,6 +1299,19 @@ class FsspecStorage(Storage):
     def cleanup_incomplete(self, naming: Naming = DEFAULT) -> list[str]:
         """Remove what interrupted saves and deletions left (see :meth:`leftovers`); returns
         what was removed, relative to the directory."""
+        held = self._held
+        if held is not None and not held.released and not held.forgotten:
+            held.verify()  # (a writer that lost its lock cleans nothing: it is not the owner)
+            return self._cleanup(naming)
+        lease = self.lock()  # DirectoryLockedError while a live writer holds the directory
+        try:
+            return self._cleanup(naming)
+        finally:
+            lease.release()
+            if self._held is lease:
+                self._held = None
+
+    def _cleanup(self, naming: Naming) -> list[str]:
         removed: list[str] = []
         for item in self.leftovers(naming):
             removed += self.remove_leftover(item)
@@ -1279,6 +1328,10 @@ class FsspecStorage(Storage):
         if item.op == "meta":
             self._ops.delete([self._key(item.entry)])
             return [item.entry]
+        if item.op == "upload":
+            key = self._key(item.name, item.uploads[0])
+            return [f"{self._rel(k)} (unfinished upload)" for k in
+                    self._ops.abort_uploads(self._key(item.name) + "/", {key})]
         removed: list[str] = []
         if item.op == "delete":
             removed += self._finish_delete(item.name, item.objects)
@@ -1326,7 +1379,8 @@ class ObjectListing:
 @dataclass
 class Leftover:
     """One interrupted operation: its marker (or temporary) ``entry``, the checkpoint
-    ``name``, ``op`` ("save", "delete", "tmpdir", "meta"), the objects to delete and the
+    ``name``, ``op`` ("save", "delete", "tmpdir", "meta", or "upload": an unfinished
+    multipart upload no marker names, ``entry`` its object), the objects to delete and the
     ones whose unfinished multipart uploads to abort."""
 
     entry: str
@@ -1337,6 +1391,8 @@ class Leftover:
 
     def describe(self) -> list[str]:
         """The names ``pitstop gc`` prints for it."""
+        if self.op == "upload":
+            return [f"{self.entry} (unfinished upload)"]
         return [self.entry, *(f"{self.name}/{o}" for o in self.objects)]
 
 
@@ -1379,12 +1435,20 @@ class _ObjectTransaction(Transaction):
 
     def open_write(self, relpath: str, direct: bool = False) -> Writer:
         key = self.storage._safe(self.name, relpath)
+        with self.storage._gen_lock:
+            self.storage._writing.add(key)
         with self._lock:
             self.files.append(relpath)
             # recorded before a byte of it is written: cleanup then knows it is ours
             self.storage._write_marker(self.marker, {"op": "save", "name": self.name,
                                                      "files": sorted(self.files)})
         return self.storage._ops.open_writer(key, True, self._created)
+
+    def _settled(self) -> None:
+        """This save writes nothing more: its keys are no longer this writer's uploads."""
+        keys = {self.storage._key(self.name, f) for f in self.files}
+        with self.storage._gen_lock:
+            self.storage._writing -= keys
 
     def _created(self, key: str, etag: str | None) -> None:
         with self._lock:
@@ -1393,6 +1457,7 @@ class _ObjectTransaction(Transaction):
     def done(self) -> None:
         """Another rank's part, after the leader committed: its marker goes (its objects
         belong to the committed checkpoint now)."""
+        self._settled()
         try:
             self.storage._ops.delete([self.storage._key(self.marker)])
         except OSError as e:  # cleanup removes a marker of a committed checkpoint later
@@ -1412,6 +1477,7 @@ class _ObjectTransaction(Transaction):
                 f"{self.location} already exists (committed by another save of the same "
                 "step meanwhile); pitstop never overwrites a committed checkpoint") from None
         self.committed = True
+        self._settled()
         storage._bump(self.name)
         try:
             storage._ops.delete([storage._key(self.marker)])
@@ -1423,6 +1489,7 @@ class _ObjectTransaction(Transaction):
         marker, for the next cleanup)."""
         if self.committed:
             return
+        self._settled()
         storage, ops = self.storage, self.storage._ops
         try:
             if self.commit_tried:
