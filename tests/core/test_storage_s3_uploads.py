@@ -23,7 +23,7 @@ import pitstop
 from pitstop.cli import main
 from pitstop.core.names import step_name
 from pitstop.core.storage import FsspecStorage
-from pitstop.core.storage import objectstore as s3_module
+from pitstop.core.storage.objectstore import upload as s3_upload
 
 #: the test server's fixtures (tests/s3_server.py), used by name
 bucket, moto, s3env = s3_server.bucket, s3_server.moto, s3_server.s3env
@@ -93,7 +93,7 @@ class _ResumeOnRetry(logging.Handler):
 def save_through_a_stall(server: s3_server.MotoServer, url: str) -> None:
     """Save step 1 while the server is stopped (SIGSTOP) just as the data object's multipart
     upload starts and resumed (SIGCONT) after two attempts at starting it timed out."""
-    start = s3_module._S3Writer._start
+    start = s3_upload._S3Writer._start
     stopped: list[int] = []
 
     async def stop_then_start(self: Any) -> None:
@@ -102,7 +102,7 @@ def save_through_a_stall(server: s3_server.MotoServer, url: str) -> None:
             os.kill(server.proc.pid, signal.SIGSTOP)
         await start(self)
 
-    s3_module._S3Writer._start = stop_then_start  # type: ignore[method-assign]
+    s3_upload._S3Writer._start = stop_then_start  # type: ignore[method-assign]
     handler = _ResumeOnRetry(server.proc.pid)
     logger = logging.getLogger("pitstop")
     old_level = logger.level
@@ -117,7 +117,7 @@ def save_through_a_stall(server: s3_server.MotoServer, url: str) -> None:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-        s3_module._S3Writer._start = start  # type: ignore[method-assign]
+        s3_upload._S3Writer._start = start  # type: ignore[method-assign]
     assert stopped
 
 

@@ -1,0 +1,1 @@
+"""The process's runtime: host identity, signals, fork/exit lifecycle, multi-rank coordination."""
