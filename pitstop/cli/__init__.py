@@ -834,7 +834,8 @@ def _leftover_rows(listing: Listing) -> list[tuple[int | None, str]]:
     rows: list[tuple[int | None, str]] = []
     if listing.objects is not None:
         for item in listing.leftovers:
-            what = {"save": "interrupted save", "delete": "interrupted deletion"}.get(
+            what = {"save": "interrupted save", "delete": "interrupted deletion",
+                    "upload": "unfinished upload"}.get(
                 item.op, "interrupted write")
             rows.append((naming.parse(item.name), f"incomplete: {what} ({_shown(item.entry)})"))
         return rows

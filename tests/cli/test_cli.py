@@ -169,6 +169,7 @@ def test_gc_refuses_while_a_writer_holds_the_directory(ckdir, capsys):
 
 
 def test_gc_memory_tier_drops_stale_files_keeps_recoverable(ckdir, tmp_path, capsys):
+    from pitstop.core.runtime.host import boot_id
     from pitstop.core.save import memtier
 
     shm = tmp_path / "shm"
@@ -179,7 +180,7 @@ def test_gc_memory_tier_drops_stale_files_keeps_recoverable(ckdir, tmp_path, cap
     assert name.startswith(f"pitstop-{ident}-")
     base = {
         "host": __import__("socket").gethostname(),
-        "boot_id": memtier.boot_id(),
+        "boot_id": boot_id(),
         "directory": os.path.realpath(ckdir),
         "directory_id": ident,
         # a well-formed description of a snapshot of one float64 array of 8 elements

@@ -26,6 +26,7 @@ from entry_point import run_commands
 import pitstop
 from pitstop.cli import build_parser, main
 from pitstop.core.directory.names import step_name
+from pitstop.core.runtime.host import boot_id
 from pitstop.core.save import memtier
 
 COMMANDS: list[tuple[str, ...]] = [
@@ -81,7 +82,7 @@ def tier_name(shm: Path, d: Path, ident: str | None = None) -> str:
 def tier_meta(d: Path, **fields) -> dict:
     meta = {
         "host": socket.gethostname(),
-        "boot_id": memtier.boot_id(),
+        "boot_id": boot_id(),
         "directory": os.path.realpath(d),
         "directory_id": directory_id(d),
         "step": 30,

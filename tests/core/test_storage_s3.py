@@ -258,16 +258,17 @@ _KILLED_CHILD = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np
     import pitstop
-    from pitstop.core.storage import FsspecStorage, objectstore
+    from pitstop.core.storage import FsspecStorage
+    from pitstop.core.storage.objectstore import upload as s3_upload
     url, tier, big = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
     KILL = []
-    upload = objectstore._S3Writer._upload
+    upload = s3_upload._S3Writer._upload
     async def upload_then_die(self, pieces):
         await upload(self, pieces)
         if KILL:  # a part is up, the upload is unfinished, the manifest is not written
             print("KILLED", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-    objectstore._S3Writer._upload = upload_then_die
+    s3_upload._S3Writer._upload = upload_then_die
     def state_of(step):
         rng = np.random.default_rng(step)
         s = {"model": {"w": rng.standard_normal((64, 32)).astype("f4"),

@@ -40,18 +40,11 @@ import stat
 from typing import Any
 
 from pitstop.core.format.dtypes import decode_dtype, encode_dtype
+from pitstop.core.runtime.host import boot_id
 from pitstop.core.save.snapshot import Layout, StagingBuffer
 from pitstop.core.tree import encode_value
 
 log = logging.getLogger("pitstop")
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 #: how the tier opens the files it creates: never through a symlink, never an existing file
