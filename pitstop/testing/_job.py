@@ -44,13 +44,17 @@ def load_suite(file: str, qualname: str) -> Any:
     return obj()
 
 
-def main(file: str, qualname: str, directory: str, steps: int) -> None:
-    """The child's whole job (see the module's docstring)."""
+def main(file: str, qualname: str, directory: str, steps: int, pause_at: int = -1) -> None:
+    """The child's whole job (see the module's docstring). At step ``pause_at``, once it is
+    printed, the job reads stdin to its end: the parent kills it meanwhile, while that
+    step's save may still be persisting."""
     import pitstop
 
     suite = load_suite(file, qualname)
     state = suite.make_state()
-    options = {**suite.manager_options(), "save_every_steps": 1, "keep_last": 2}
+    # every step saved (a save due while the previous one persists waits for it)
+    options = {**suite.manager_options(), "save_every_steps": 1, "keep_last": 2,
+               "on_busy": "wait"}
     with pitstop.CheckpointManager(directory, **options) as mgr:
         restored = mgr.restore(state)
         print(f"{TAG} start {restored}", flush=True)
@@ -60,20 +64,24 @@ def main(file: str, qualname: str, directory: str, steps: int) -> None:
             if step == 0:
                 mgr.wait()  # a kill from now on finds a checkpoint to resume from
             print(f"{TAG} step {step} {loss.hex()}", flush=True)
+            if step == pause_at:
+                sys.stdin.read()
     final = suite.fingerprint(state)
     from ._bits import digest
     print(f"{TAG} final {json.dumps(digest(final))}", flush=True)
 
 
-def start(file: str, qualname: str, directory: Path, steps: int, log: Path) -> subprocess.Popen:
+def start(file: str, qualname: str, directory: Path, steps: int, log: Path,
+          pause_at: int = -1) -> subprocess.Popen:
     """Start the child job in a session of its own (a SIGKILL to its group takes any worker
     processes too); its stderr goes to ``log``."""
     code = ("import sys; from pitstop.testing._job import main; "
-            "main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))")
+            "main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))")
     with open(log, "wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-c", code, file, qualname, str(directory), str(steps)],
-            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+            [sys.executable, "-c", code, file, qualname, str(directory), str(steps),
+             str(pause_at)], stdin=subprocess.PIPE if pause_at >= 0 else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=err, start_new_session=True)
 
 
 class Output:
@@ -84,25 +92,29 @@ class Output:
         self.start: int | None | str = "never printed"
         self.losses: dict[int, str] = {}
         self.final: dict[str, str] | None = None
-        self._rest = ""
+        self._rest = b""
 
     def read_until(self, stop_step: int | None, timeout: float) -> bool:
         """Read lines until ``step <stop_step>`` (True) or the end of the output (False)."""
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()  # read raw: a buffered reader hides lines from select
         deadline = time.monotonic() + timeout
         while True:
+            while b"\n" in self._rest:
+                line, self._rest = self._rest.split(b"\n", 1)
+                if self._parse(line.decode(errors="replace").strip()) == stop_step and \
+                        stop_step is not None:
+                    return True
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"the conformance job printed nothing for {timeout:.0f} s; "
                                    f"its stderr:\n{self.stderr()}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if not ready:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                return False
-            if self._parse(line.strip()) == stop_step and stop_step is not None:
-                return True
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return False
+                self._rest += chunk
 
     def _parse(self, line: str) -> int | None:
         if not line.startswith(TAG + " "):
