@@ -8,7 +8,9 @@ it through a :class:`pitstop.CheckpointManager`, trains the remaining steps with
     step <n> <loss as float.hex()>
     final <JSON {path: sha256} of the suite's fingerprint of the state>
 
-The parent (``AdapterSuite.test_sigkill_resumes_exactly``) reads these lines.
+The parent (``AdapterSuite.test_sigkill_resumes_exactly``) reads these lines; the job it
+kills waits after printing the chosen step, and is SIGKILLed there, while that step's save
+may still be persisting.
 """
 
 from __future__ import annotations
