@@ -15,7 +15,7 @@ in a few hooks (see docs/architecture.md, "Testing an adapter: the conformance s
 It needs pytest (its tests take pytest's ``tmp_path`` and ``caplog`` fixtures).
 """
 
-from ._bits import Bits
-from .adapter import SEED_VARIABLE, AdapterSuite
+from pitstop.testing._bits import Bits
+from pitstop.testing.adapter import SEED_VARIABLE, AdapterSuite
 
 __all__ = ["AdapterSuite", "Bits", "SEED_VARIABLE"]

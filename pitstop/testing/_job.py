@@ -69,7 +69,7 @@ def main(file: str, qualname: str, directory: str, steps: int, pause_at: int = -
             if step == pause_at:
                 sys.stdin.read()
     final = suite.fingerprint(state)
-    from ._bits import digest
+    from pitstop.testing._bits import digest
     print(f"{TAG} final {json.dumps(digest(final))}", flush=True)
 
 

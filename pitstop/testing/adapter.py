@@ -19,9 +19,8 @@ from typing import Any, ClassVar
 
 import pitstop
 from pitstop.core.storage import LocalStorage
-
-from . import _job
-from ._bits import Bits, differences, fingerprint
+from pitstop.testing import _job
+from pitstop.testing._bits import Bits, differences, fingerprint
 
 #: environment variable that fixes the SIGKILL test's random step (the failing run's seed)
 SEED_VARIABLE = "PITSTOP_CONFORMANCE_SEED"
