@@ -22,7 +22,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 #: test folders that run only in a pytest process of their own: TensorFlow and the triton
 #: that torch imports (through torch.optim -> torch._dynamo) crash when one process loads
 #: both. ``pytest tests`` runs each in a subprocess (tests/test_isolated_suites.py);
-#: ``pytest tests/tf`` runs it directly.
+#: ``pytest tests/adapters/tf`` runs it directly.
 from test_isolated_suites import ISOLATED  # noqa: E402  (one list, where it is run)
 
 HERE = Path(__file__).resolve().parent
@@ -52,7 +52,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     path = Path(collection_path).resolve()
-    if path.parent != HERE or path.name not in ISOLATED:
+    if path.parent != HERE / "adapters" or path.name not in ISOLATED:
         return None
     asked = [Path(str(a).split("::")[0]).resolve() for a in config.args]
     only_this = bool(asked) and all(a == path or path in a.parents for a in asked)

@@ -1,7 +1,7 @@
 """A real S3 server for tests: moto's standalone server in a subprocess, and a small TCP
 proxy that can cut or stall the connections between a client and it.
 
-Used by tests/core/test_storage_s3.py and tests/cli/test_cli_s3.py (as s3fs's own tests do:
+Used by tests/core/storage/test_storage_s3.py and tests/cli/test_cli_s3.py (as s3fs's own tests do:
 a real HTTP server on 127.0.0.1, never mocked calls). Nothing here imports pitstop.
 """
 

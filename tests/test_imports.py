@@ -58,10 +58,26 @@ def test_test_modules_collected_together_have_distinct_names():
     seen: dict[str, str] = {}
     for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
         rel = os.path.relpath(folder, os.path.join(ROOT, "tests"))
-        top = rel.split(os.sep)[0]
-        if top in ISOLATED or os.path.exists(os.path.join(folder, "__init__.py")):
+        parts = rel.split(os.sep)
+        if (parts[0] == "adapters" and len(parts) > 1 and parts[1] in ISOLATED) or os.path.exists(os.path.join(folder, "__init__.py")):
             continue
         for f in files:
             if f.startswith("test_") and f.endswith(".py"):
                 assert f not in seen, f"tests/{rel}/{f} and {seen[f]} share a name"
                 seen[f] = f"tests/{rel}/{f}"
+
+
+def test_framework_test_folders_cannot_shadow_the_frameworks():
+    """A test folder named after a framework (tests/torch) is importable as that framework when
+    it is missing (pytest puts tests/ on sys.path), so ``importorskip("torch")`` succeeded and
+    the test failed. The folders live under tests/adapters/, which pytest never puts on
+    sys.path: it holds no test module and no conftest.py of its own."""
+    frameworks = {"torch", "tensorflow", "tf", "keras", "jax", "flax", "optax", "orbax"}
+    tests = os.path.join(ROOT, "tests")
+    for folder, dirs, files in os.walk(tests):
+        rel = os.path.relpath(folder, tests)
+        if rel == "adapters":
+            assert not [f for f in files if f.endswith(".py")], files
+            continue
+        shadowing = frameworks.intersection(dirs)
+        assert not shadowing, f"tests/{rel}/{sorted(shadowing)[0]} would shadow the framework"

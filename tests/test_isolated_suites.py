@@ -30,7 +30,7 @@ ISOLATED = {"tf": "tensorflow", "keras": "keras", "jax": "jax"}
 #: process is done, end together rather than one of them alone
 PART = "PITSTOP_TEST_PART"
 #: (folder, part) -> that part's files; the run of the folder without a part takes the rest
-#: (a new file goes there). tests/jax's part "children": the tests whose time is mostly in
+#: (a new file goes there). tests/adapters/jax's part "children": the tests whose time is mostly in
 #: child processes of their own (about half the folder's time)
 PARTS = {("jax", "children"): ["test_resume.py", "test_nnx_and_sharding_edges.py",
                                "test_multiprocess.py", "test_crash.py"]}
@@ -104,9 +104,9 @@ def selection(folder: str, env: dict[str, str]) -> list[str]:
     """The pytest arguments of a run: its folder, or its part of it (see :data:`PARTS`)."""
     part = env.get(PART)
     if part is not None:
-        return [f"tests/{folder}/{f}" for f in PARTS[(folder, part)]]
+        return [f"tests/adapters/{folder}/{f}" for f in PARTS[(folder, part)]]
     others = [f for (of, _part), files in PARTS.items() if of == folder for f in files]
-    return [f"tests/{folder}", *(f"--ignore=tests/{folder}/{f}" for f in others)]
+    return [f"tests/adapters/{folder}", *(f"--ignore=tests/adapters/{folder}/{f}" for f in others)]
 
 
 def run(folder: str, env: dict[str, str], basetemp: str) -> subprocess.CompletedProcess:
@@ -139,5 +139,5 @@ def test_folder_in_its_own_process(folder: str, env: dict[str, str], request) ->
         raise r
     assert r is not None
     summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
-    print(f"tests/{folder} {env}: {summary}")
-    assert r.returncode == 0, f"tests/{folder} {env} failed:\n{r.stdout[-30000:]}\n{r.stderr[-5000:]}"
+    print(f"tests/adapters/{folder} {env}: {summary}")
+    assert r.returncode == 0, f"tests/adapters/{folder} {env} failed:\n{r.stdout[-30000:]}\n{r.stderr[-5000:]}"

@@ -1,7 +1,7 @@
 """Ranks as threads of this process, joined by an in-memory coordinator: the core's
 multi-rank protocol without processes (the real coordinators, on torch.distributed and JAX,
-are tested with real processes in tests/torch/test_distributed.py and
-tests/jax/test_multiprocess.py)."""
+are tested with real processes in tests/adapters/torch/test_distributed.py and
+tests/adapters/jax/test_multiprocess.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Bad input, counted: the property-based fuzzing of ``tests/core/test_fuzz.py`` (random and
+"""Bad input, counted: the property-based fuzzing of ``tests/core/format/test_fuzz.py`` (random and
 mutated manifests, ``index.json`` files, memory-tier descriptions, ``restore`` targets) and
-the named defects of ``tests/core/test_bad_input.py``, run with many more examples than the
+the named defects of ``tests/core/format/test_bad_input.py``, run with many more examples than the
 suite's derandomized ones, drawn from the seed.
 
 The promise: whatever a reader is given, only a ``CheckpointError`` escapes, nothing hangs,
@@ -35,8 +35,8 @@ def bad_input(trials: int, seed: int, workdir: Path) -> Result:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"--basetemp={workdir / 'pytest'}", f"--hypothesis-seed={seed}",
-         "--hypothesis-show-statistics", "tests/core/test_fuzz.py",
-         "tests/core/test_bad_input.py"],
+         "--hypothesis-show-statistics", "tests/core/format/test_fuzz.py",
+         "tests/core/format/test_bad_input.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     out = proc.stdout
     # hypothesis's statistics: "- 150 passing, 0 failing, and 19 invalid test cases" per phase

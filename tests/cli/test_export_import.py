@@ -1,6 +1,6 @@
 """`pitstop export` / `pitstop import` on real files: npz, safetensors, torch.save, DCP.
 
-(TensorFlow: tests/tf/test_cli_convert.py; Orbax: tests/jax/test_cli_orbax.py.)"""
+(TensorFlow: tests/adapters/tf/test_cli_convert.py; Orbax: tests/adapters/jax/test_cli_orbax.py.)"""
 
 from __future__ import annotations
 

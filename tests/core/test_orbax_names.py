@@ -1,6 +1,6 @@
 """The names Orbax users call on a manager: ``should_save``, ``best_step``,
 ``reached_preemption``, ``wait_until_finished``, the ``OnSteps`` policy (against Orbax itself, loop by loop:
-tests/jax/test_migration_orbax.py; with real processes: tests/jax/test_multiprocess.py)."""
+tests/adapters/jax/test_migration_orbax.py; with real processes: tests/adapters/jax/test_multiprocess.py)."""
 
 from __future__ import annotations
 

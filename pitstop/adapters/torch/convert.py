@@ -323,7 +323,7 @@ def import_torch_save(path: PathLike, directory: PathLike, step: int, *, key: st
     # kept rather than a pitstop one because torch.save files rebuild tensors through
     # storage/rebuild helpers only torch knows to allow, and torch maintains that allow-list
     # with the format. It rebuilds tensors and plain containers/values only and refuses any
-    # other global, so a hostile file cannot run code (tests/torch/test_malicious_imports.py).
+    # other global, so a hostile file cannot run code (tests/adapters/torch/test_malicious_imports.py).
     try:
         obj = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:  # what weights_only raises for a refused object
