@@ -68,7 +68,8 @@ from pitstop.core.errors import (
     EncryptionKeyError,
 )
 from pitstop.core.format.manifest import Manifest, load_json
-from pitstop.core.restore.read import CheckpointReader, nbytes_of
+from pitstop.core.restore.read import CheckpointReader
+from pitstop.core.restore.stream import nbytes_of
 from pitstop.core.save import memtier
 from pitstop.core.storage import FsspecStorage, ObjectStoreError, Storage, is_url
 from pitstop.core.storage import local as _local

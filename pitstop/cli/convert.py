@@ -573,7 +573,7 @@ def _outside_run(out: str, run: str) -> None:
 def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | None,
                       m: Any) -> tuple[int, int]:
     cli = _cli()
-    from pitstop.core.restore.read import nbytes_of
+    from pitstop.core.restore.stream import nbytes_of
     picked = {kp: e for kp, e in m.arrays.items() if _relative(kp, key) is not None}
     if key is not None and not picked and not any(
             _relative(kp, key) is not None for kp in m.values):

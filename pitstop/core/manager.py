@@ -84,7 +84,8 @@ from pitstop.core.policy import (
     SaveContext,
     SavePolicy,
 )
-from pitstop.core.restore.read import CheckpointReader, RestoredStep, RestoreReport
+from pitstop.core.restore.read import CheckpointReader
+from pitstop.core.restore.report import RestoredStep, RestoreReport
 from pitstop.core.runtime import supervised
 from pitstop.core.runtime.coordination import CoordinationError, Coordinator
 from pitstop.core.runtime.lifecycle import Resources, TierFallback, lost_signal_message
