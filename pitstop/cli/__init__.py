@@ -67,7 +67,8 @@ from pitstop.core.errors import (
     DirectoryLockedError,
     EncryptionKeyError,
 )
-from pitstop.core.format.manifest import Manifest, load_json
+from pitstop.core.format.decoding import load_json
+from pitstop.core.format.schema import Manifest
 from pitstop.core.restore.read import CheckpointReader, nbytes_of
 from pitstop.core.save import memtier
 from pitstop.core.storage import FsspecStorage, ObjectStoreError, Storage, is_url

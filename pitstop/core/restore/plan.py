@@ -33,7 +33,7 @@ import numpy as np
 
 from pitstop.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleTargetError
 from pitstop.core.format.dtypes import decode_dtype
-from pitstop.core.format.manifest import ArrayEntry, Manifest
+from pitstop.core.format.schema import ArrayEntry, Manifest
 from pitstop.core.tree import (
     ArraySpec,
     FlatState,

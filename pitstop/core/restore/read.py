@@ -22,17 +22,11 @@ from pitstop.core.errors import (
     IncompatibleTargetError,
 )
 from pitstop.core.format import codecs
+from pitstop.core.format.decoding import PARSE_FRAMES, deeper_than, load_json, on_fresh_stack
 from pitstop.core.format.dtypes import decode_dtype
 from pitstop.core.format.hashing import new_hasher
-from pitstop.core.format.manifest import (
-    PARSE_FRAMES,
-    ArrayEntry,
-    Manifest,
-    deeper_than,
-    load_json,
-    on_fresh_stack,
-    parse,
-)
+from pitstop.core.format.schema import ArrayEntry, Manifest
+from pitstop.core.format.validate import parse
 from pitstop.core.restore.plan import RestoredStep, RestorePlan, RestoreReport
 from pitstop.core.storage.local import MANIFEST, pread_full
 from pitstop.core.tree import FlatState, decode_value, join, unflatten
