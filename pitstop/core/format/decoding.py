@@ -29,7 +29,6 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-
 def load_json(data: bytes | str) -> Any:
     """The one parse of a manifest and of ``.pitstop/directory.json``: strict JSON (no
     ``NaN``/``Infinity``, no number beyond a double) and no key twice in one object.
@@ -39,12 +38,10 @@ def load_json(data: bytes | str) -> Any:
                       parse_float=_finite)
 
 
-
 def _not_json(word: str) -> Any:
     """``NaN``, ``Infinity``, ``-Infinity``: Python's json reads them, JSON has no such
     thing (pitstop writes a non-finite float as ``{"$float": "nan"}``)."""
     raise ValueError(f"{word} is not JSON")
-
 
 
 def _finite(text: str) -> float:
@@ -56,11 +53,9 @@ def _finite(text: str) -> float:
     return v
 
 
-
 _gc_lock = threading.Lock()
 
 _gc_pauses = [0, False]  # how many gc_paused() are open; whether the collector was enabled
-
 
 
 @contextlib.contextmanager
@@ -84,11 +79,9 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-
 #: the frames parsing may need: the JSON nesting of the deepest structure pitstop writes
 #: (three levels per container), then the checks walking it, with room to spare
 PARSE_FRAMES = 3 * MAX_DEPTH + 300
-
 
 
 def deeper_than(frames: int) -> bool:
@@ -99,7 +92,6 @@ def deeper_than(frames: int) -> bool:
         if f is None:
             return False
     return True
-
 
 
 def on_fresh_stack(fn: Callable[..., Any], *args: Any) -> Any:
@@ -119,7 +111,6 @@ def on_fresh_stack(fn: Callable[..., Any], *args: Any) -> Any:
     if not ok:
         raise value
     return value
-
 
 
 def _brief(v: Any) -> str:

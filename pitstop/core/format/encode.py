@@ -34,7 +34,6 @@ ENCRYPTED_VERSION = "3.0"
 INCREMENTAL_VERSION = "4.0"
 
 
-
 def _arrays_json(arrays: dict[str, Any]) -> str:
     """``json.dumps({k: e.to_json() ...}, separators=(",", ":"))``, made faster for the
     common entry (a whole array, uncompressed, plain ints and strings): a checkpoint of
@@ -69,7 +68,6 @@ def _arrays_json(arrays: dict[str, Any]) -> str:
             parts.append(quote(k) + ":" + json.dumps(e.to_json(), separators=(",", ":"),
                                                      allow_nan=False))
     return "{" + ",".join(parts) + "}"
-
 
 
 def encode(m: Any, sealer: Any = None) -> bytes:

@@ -20,12 +20,10 @@ _CODEC = re.compile(r"^(none|zstd|zstd\+shuffle[1-9][0-9]{0,2}|aes-256-gcm|"
                     r"zstd(\+shuffle[1-9][0-9]{0,2})?\+aes-256-gcm)$")
 
 
-
 def _object(v: Any, what: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise ValueError(f"{what} is {_brief(v)}, not an object")
     return v
-
 
 
 def _shape(shape: Any, key: str) -> list[int]:
@@ -45,14 +43,12 @@ def _shape(shape: Any, key: str) -> list[int]:
     return list(shape)
 
 
-
 def _count(v: Any, what: str, key: str) -> int:
     """A byte count or offset the manifest declares: a plain, non-negative, sane int."""
     if type(v) is not int or not 0 <= v <= MAX_BYTES:
         raise ValueError(f"array {key!r}: {what} {_brief(v)} is not an integer from 0 to "
                          "2**60")
     return v
-
 
 
 def _dtype(descr: Any, key: str) -> Any:
@@ -68,7 +64,6 @@ def _dtype(descr: Any, key: str) -> Any:
     if dt.itemsize > MAX_BYTES >> 20:
         raise ValueError(f"array {key!r}: dtype {_brief(descr)} has absurd itemsize")
     return dt
-
 
 
 def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtype: Any,
@@ -121,7 +116,6 @@ def _stored(e: dict[str, Any], key: str, where: str, files: dict[str, int], dtyp
     return entry
 
 
-
 def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: str) -> None:
     """The shards of a sharded array cover it exactly once: no gap, no overlap."""
     total = 0
@@ -158,7 +152,6 @@ def _check_cover(shards: list[ArrayEntry], shape: list[int], key: str, where: st
             f"once ({len(shards)} shards)", checkpoint=where, key=key, file="manifest.json")
 
 
-
 def _file_lengths(v: Any, what: str, where: str, kind: str) -> dict[str, int]:
     """A ``{file name: {"length": n}}`` section (the checkpoint's own files, or those of a
     checkpoint it references): plain file names only, lengths within bounds."""
@@ -175,10 +168,8 @@ def _file_lengths(v: Any, what: str, where: str, kind: str) -> dict[str, int]:
     return out
 
 
-
 #: the keys of an array stored whole, uncompressed and unencrypted, as pitstop writes it
 _PLAIN_KEYS = frozenset(("dtype", "shape", "file", "offset", "length", "hash"))
-
 
 
 def _entries(raw: dict[str, Any], where: str, files: dict[str, int],
@@ -228,7 +219,6 @@ def _entries(raw: dict[str, Any], where: str, files: dict[str, int],
                     continue
         out[key] = _entry(_object(e, f"array {key!r}"), key, where, files, refs)
     return out
-
 
 
 def _entry(e: dict[str, Any], key: str, where: str, files: dict[str, int],

@@ -23,9 +23,7 @@ MAX_NDIM = 64
 #: the most elements, and the most bytes, an array or a file may declare: far beyond any
 #: real checkpoint, small enough that no size computed from them overflows a C integer
 MAX_ELEMENTS = 1 << 56
-
 MAX_BYTES = 1 << 60
-
 
 
 @dataclass(slots=True)
@@ -83,11 +81,9 @@ class ArrayEntry:
         return self.shards if self.shards is not None else [self]
 
 
-
 def piece_key(key: str, index: tuple[tuple[int, int], ...]) -> str:
     """The engine's key for one shard of the array ``key`` (see :data:`SHARD_MARK`)."""
     return key + SHARD_MARK + ",".join(f"{a}:{b}" for a, b in index)
-
 
 
 def group_pieces(entries: dict[str, ArrayEntry]) -> dict[str, ArrayEntry]:
@@ -112,7 +108,6 @@ def group_pieces(entries: dict[str, ArrayEntry]) -> dict[str, ArrayEntry]:
         whole.shards.append(shard)
         whole.shape = [max(n, b) for n, (_a, b) in zip(whole.shape, index, strict=True)]
     return out
-
 
 
 @dataclass
@@ -198,10 +193,8 @@ class Manifest:
         return sorted(keys)
 
 
-
 #: marks a rank view's structure as the top level's
 _SAME: Any = object()
-
 
 
 @dataclass

@@ -12,14 +12,12 @@ from pitstop.core.errors import CorruptCheckpointError
 _HASH_KEY = b',"manifest_hash":"'
 
 
-
 def seal(body: bytes, algorithm: str) -> bytes:
     """Append ``"manifest_hash"``: the hash of the manifest's bytes without that field, so
     the values, metrics and layout the manifest itself carries are covered too (format 1.1)."""
     from pitstop.core.format.hashing import hash_bytes
     digest = hash_bytes(algorithm, body)
     return body[:-1] + _HASH_KEY + digest.encode() + b'"}'
-
 
 
 def check_seal(data: bytes, doc: dict[str, Any], where: str) -> None:

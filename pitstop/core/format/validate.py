@@ -35,6 +35,7 @@ from pitstop.core.format.seal import _HASH_KEY, check_seal
 from pitstop.core.tree.structure import StructureError, check_structure
 from pitstop.core.tree.values import decode_value
 
+#: the newest major this pitstop reads (a newer one is refused with "upgrade pitstop")
 MAJOR = 4
 
 _VERSION = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$")
@@ -49,7 +50,6 @@ MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
 #: the fields a plaintext manifest starts with, in the order pitstop writes them
 _HEAD = ("format", "format_version", "step", "created_unix", "directory_id", "writer",
          "hash_algorithm")
-
 
 
 def peek_header(data: bytes, where: str) -> dict[str, Any] | None:
@@ -98,7 +98,6 @@ def peek_header(data: bytes, where: str) -> dict[str, Any] | None:
     return head
 
 
-
 def parse(data: bytes, where: str, encryption: Any = None, naming: Naming | None = None
           ) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the checkpoint in errors. An
@@ -118,7 +117,6 @@ def parse(data: bytes, where: str, encryption: Any = None, naming: Naming | None
     return m  # type: ignore[no-any-return]
 
 
-
 def check_refs(m: Manifest, naming: Naming, where: str) -> None:
     """Every checkpoint ``m`` references is named as ``naming`` names a checkpoint, of a
     step older than ``m``'s own (never itself: references never loop)."""
@@ -130,7 +128,6 @@ def check_refs(m: Manifest, naming: Naming, where: str) -> None:
                 f"checkpoint of this directory (its checkpoints are named "
                 f"{naming.describe()}; this one is of step {m.step})",
                 checkpoint=where, file="manifest.json")
-
 
 
 def _parse(data: bytes, where: str, encryption: Any) -> Manifest:
@@ -183,7 +180,6 @@ def _parse(data: bytes, where: str, encryption: Any) -> Manifest:
                                      checkpoint=where, file="manifest.json") from None
 
 
-
 def _check_encrypted(m: Manifest) -> None:
     """Every stored array is encrypted exactly when the manifest says it is."""
     from pitstop.core.format.crypto import split
@@ -196,7 +192,6 @@ def _check_encrypted(m: Manifest) -> None:
         if split(e.codec)[1] != (m.encryption is not None):
             raise ValueError(f"array {key!r}: codec {e.codec!r} in "
                              f"{'an encrypted' if m.encryption else 'a plaintext'} manifest")
-
 
 
 def _validate(doc: dict[str, Any], where: str) -> Manifest:
@@ -264,7 +259,6 @@ def _validate(doc: dict[str, Any], where: str) -> Manifest:
     )
 
 
-
 def _layouts(v: Any, arrays: Container[str]) -> dict[str, Any]:
     """The optional ``layouts`` section: objects keyed by array keys (informational: an
     entry for a key the checkpoint holds no array under is dropped, not an error)."""
@@ -274,11 +268,9 @@ def _layouts(v: Any, arrays: Container[str]) -> dict[str, Any]:
             if k in arrays and isinstance(e, dict)}
 
 
-
 #: what a referenced checkpoint's name may be (a single directory entry, never one of
 #: pitstop's own: .pitstop, .tmp-*); ``check_refs`` then holds it to the directory's naming
 _REF_NAME = re.compile(r"^[^./\x00][^/\x00]{0,254}$", re.S)
-
 
 
 def _refs(v: Any, where: str) -> dict[str, dict[str, int]]:
@@ -297,7 +289,6 @@ def _refs(v: Any, where: str) -> dict[str, dict[str, int]]:
     return out
 
 
-
 def _check_values(values: dict[str, Any], where: str) -> None:
     """Every value leaf decodes (the ``$float``, ``$bytes``, ``$tuple``, ``$dict`` wrappers
     are what :func:`encode_value` writes), or the manifest is corrupt, naming the key."""
@@ -310,7 +301,6 @@ def _check_values(values: dict[str, Any], where: str) -> None:
                 checkpoint=where, key=key, file="manifest.json") from None
 
 
-
 def _decoded_object(v: Any, what: str, where: str) -> dict[str, Any]:
     try:
         out = decode_value(v or {})
@@ -318,7 +308,6 @@ def _decoded_object(v: Any, what: str, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: {what} in manifest.json is malformed ({e})",
                                      checkpoint=where, file="manifest.json") from None
     return dict(_object(out, what))
-
 
 
 class _ViewKeys:
@@ -329,7 +318,6 @@ class _ViewKeys:
 
     def __contains__(self, key: object) -> bool:
         return key in self.own or (key in self.top and key not in self.absent)
-
 
 
 def _check_structure(structure: Any, arrays: Container[str], values: Container[str],

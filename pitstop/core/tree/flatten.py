@@ -37,7 +37,6 @@ class AdapterNode:
         return self.holder[0] if self.holder else self.subtree
 
 
-
 @dataclass
 class FlatState:
     """The result of :func:`flatten`."""
@@ -83,15 +82,12 @@ class FlatState:
         return {k: a.layout for k, a in self.arrays.items() if a.layout is not None}
 
 
-
 # --------------------------------------------------------------------------- values
 _SCALARS = SCALAR_TYPES + (bytes,)
 
 
-
 def _is_array_like(obj: Any) -> bool:
     return isinstance(obj, (np.ndarray, np.generic, ArrayLeaf))
-
 
 
 class _BadNesting(Exception):
@@ -101,7 +97,6 @@ class _BadNesting(Exception):
         super().__init__(kind)
         self.kind = kind
         self.parts: list[Any] = []
-
 
 
 def contains_array(obj: Any, resolve: Callable[[Any], Any] | None, _depth: int = 0,
@@ -136,7 +131,6 @@ def contains_array(obj: Any, resolve: Callable[[Any], Any] | None, _depth: int =
     return resolve is not None and resolve(obj) is not None
 
 
-
 def _nesting_error(e: _BadNesting, path: str) -> UnsupportedStateError:
     for k in reversed(e.parts):
         path = join(path, k)
@@ -147,10 +141,8 @@ def _nesting_error(e: _BadNesting, path: str) -> UnsupportedStateError:
     return _too_deep(path)
 
 
-
 # --------------------------------------------------------------------------- flatten
 Resolver = Callable[[Any], Any]  # obj -> adapter or None
-
 
 
 class FlattenCache:
@@ -185,7 +177,6 @@ class FlattenCache:
         return rec
 
 
-
 def flatten(state: Any, resolve: Resolver | None = None,
             cache: FlattenCache | None = None) -> FlatState:
     """Flatten ``state`` into array leaves (by reference) and value leaves.
@@ -206,7 +197,6 @@ def flatten(state: Any, resolve: Resolver | None = None,
     if cache is not None:
         cache.last, cache.next = cache.next, {}
     return flat
-
 
 
 class _Flattener:
@@ -374,10 +364,8 @@ class _Flattener:
         return {"$d": items}
 
 
-
 def _frozen_mapping(obj: Any) -> bool:
     return isinstance(obj, Mapping) and not isinstance(obj, MutableMapping)
-
 
 
 def _key_text(k: Any, path: str) -> str:
@@ -394,14 +382,12 @@ def _key_text(k: Any, path: str) -> str:
         "beside arrays (a key path needs a str or an int key); use str or int keys")
 
 
-
 def _at(e: UnsupportedStateError, path: str) -> UnsupportedStateError:
     """``e`` with the state path in front (adapters do not know where their object sits)."""
     text = str(e)
     if text.startswith("state entry "):
         return e
     return UnsupportedStateError(f"state entry {_where(path)}: {text}")
-
 
 
 def _value(obj: Any, path: str, flat: FlatState, parent: Any, key: Any) -> int:

@@ -111,7 +111,6 @@ class ArrayLeaf:
     accept_saved: Callable[[np.dtype, Any], str | None] | None = None
 
 
-
 class NumpyLeaf(ArrayLeaf):
     """An ``np.ndarray`` leaf: any shape, order or stride; restored in place."""
 
@@ -165,7 +164,6 @@ class NumpyLeaf(ArrayLeaf):
         np.copyto(target, value, casting="equiv")
 
 
-
 def has_internal_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     """True when two elements of an array with this layout may share memory (a stride of 0
     on a dimension longer than 1, or strides too short for what they step over)."""
@@ -178,7 +176,6 @@ def has_internal_overlap(shape: tuple[int, ...], strides: tuple[int, ...], items
             return True
         extent = st * (n - 1) + extent
     return False
-
 
 
 @dataclass(frozen=True)

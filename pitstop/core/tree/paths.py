@@ -20,19 +20,16 @@ MAX_DEPTH = 200
 EMPTY = "~2"
 
 
-
 def escape(component: str) -> str:
     if not component:
         return EMPTY
     return component.replace("~", "~0").replace("/", "~1")
 
 
-
 def unescape(component: str) -> str:
     if component == EMPTY:
         return ""
     return component.replace("~1", "/").replace("~0", "~")
-
 
 
 def join(prefix: str, key: Any) -> str:
@@ -42,20 +39,16 @@ def join(prefix: str, key: Any) -> str:
     return f"{prefix}/{part}" if prefix else part
 
 
-
 def split(path: str) -> list[str]:
     return [unescape(p) for p in path.split("/")] if path else []
-
 
 
 def _leaf_path(path: str) -> str:
     return path if path else "<root>"
 
 
-
 def _where(path: str) -> str:
     return repr(path) if path else "<root>"
-
 
 
 def _too_deep(path: str) -> UnsupportedStateError:

@@ -22,9 +22,7 @@ class StructureError(ValueError):
         self.key = key
 
 
-
 _NODE_TAGS = frozenset(("$d", "$l", "$t"))
-
 
 
 def check_structure(structure: Any, arrays: Container[str], values: Container[str],
@@ -75,7 +73,6 @@ def check_structure(structure: Any, arrays: Container[str], values: Container[st
         check_structure(node, arrays, values, here, depth + 1)
 
 
-
 def iter_structure_paths(structure: Any, path: str = "") -> Iterator[str]:
     """Yield every leaf path of a recorded structure (for diagnostics)."""
     if structure in (0, 1):
@@ -88,7 +85,6 @@ def iter_structure_paths(structure: Any, path: str = "") -> Iterator[str]:
     else:
         for i, sub in enumerate(structure.get("$l", structure.get("$t", []))):
             yield from iter_structure_paths(sub, join(path, i))
-
 
 
 def unflatten(structure: Any, leaves: Mapping[str, Any], path: str = "") -> Any:
@@ -105,7 +101,6 @@ def unflatten(structure: Any, leaves: Mapping[str, Any], path: str = "") -> Any:
     if "$t" in structure:
         return tuple(unflatten(sub, leaves, join(path, i)) for i, sub in enumerate(structure["$t"]))
     return [unflatten(sub, leaves, join(path, i)) for i, sub in enumerate(structure["$l"])]
-
 
 
 def select(obj: Any, key: str | None, source: str) -> Any:

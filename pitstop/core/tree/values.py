@@ -18,7 +18,6 @@ from pitstop.core.tree.paths import MAX_DEPTH, _too_deep, _where, join
 SCALAR_TYPES = (bool, int, float, str, type(None))
 
 
-
 def encode_value(v: Any, path: str = "", depth: int = 0) -> Any:
     """Encode a value subtree as strict JSON, keeping what JSON would lose (tuples, int keys,
     bytes, non-finite floats) in small ``{"$type": ...}`` wrappers."""
@@ -61,7 +60,6 @@ def encode_value(v: Any, path: str = "", depth: int = 0) -> Any:
     )
 
 
-
 def decode_value(v: Any) -> Any:
     """Inverse of :func:`encode_value`. Strict: a wrapper that :func:`encode_value` could
     not have written (``{"$float": "abc"}``, ``{"$dict": 5}``, ``{"$bytes": "!!!"}``) raises
@@ -77,7 +75,6 @@ def decode_value(v: Any) -> Any:
     return v
 
 
-
 def _decode_float(payload: Any) -> float:
     if type(payload) is not str:
         raise ValueError(f"$float holds {_brief(payload)}, not a string")
@@ -85,7 +82,6 @@ def _decode_float(payload: Any) -> float:
         return float(payload)
     except ValueError:
         raise ValueError(f"$float holds {_brief(payload)}, not a number") from None
-
 
 
 def _decode_bytes(payload: Any) -> bytes:
@@ -97,12 +93,10 @@ def _decode_bytes(payload: Any) -> bytes:
         raise ValueError(f"$bytes holds {_brief(payload)}, which is not strict base64") from None
 
 
-
 def _decode_tuple(payload: Any) -> tuple[Any, ...]:
     if not isinstance(payload, list):
         raise ValueError(f"$tuple holds {_brief(payload)}, not a list")
     return tuple(decode_value(x) for x in payload)
-
 
 
 def _decode_dict(payload: Any) -> dict[Any, Any]:
@@ -120,18 +114,15 @@ def _decode_dict(payload: Any) -> dict[Any, Any]:
     return out
 
 
-
 _TAGS: dict[str, Callable[[Any], Any]] = {
     "$float": _decode_float, "$bytes": _decode_bytes, "$tuple": _decode_tuple,
     "$dict": _decode_dict,
 }
 
 
-
 def _brief(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:56] + "...'"
-
 
 
 def _decode_key(k: Any) -> Any:
