@@ -32,7 +32,7 @@ import numpy as np
 
 import pitstop
 from pitstop.core.directory.names import step_name
-from pitstop.core.format.manifest import parse
+from pitstop.core.format.validate import parse
 from pitstop.core.restore.read import CheckpointReader
 
 

@@ -797,7 +797,7 @@ def test_shown_block_checks_find_rot() -> None:
     assert output_problems("crash: 1 trials, killed_in_hash 2, restores_checked_by_the_job 3",
                            "benchmarks/torture.py") == []
     assert output_problems("crash: no_such_counter 1", "benchmarks/torture.py")
-    assert tree_problems("pitstop/\n  core/\n    tree.py\n    format/\n      dtypes.py hashing.py\n",
+    assert tree_problems("pitstop/\n  core/\n    policy.py\n    format/\n      dtypes.py hashing.py\n",
                          "pitstop") == []
     assert tree_problems("pitstop/\n  core/\n    nothing.py\n", "pitstop")
     assert keys_problems('"encryption": {"key_id": 1}', "docs/manifest.schema.json") == []

@@ -15,7 +15,7 @@ A template directory is made once per run: four checkpoints of a state with seve
 ``manifest_edit``                        one manifest field edited (its ``manifest_hash`` left)
 ``manifest_edit_resealed``               one field of the array table, the file table, the
                                          step or the format edited and ``manifest_hash``
-                                         recomputed (:func:`pitstop.core.format.manifest.seal`)
+                                         recomputed (:func:`pitstop.core.format.seal.seal`)
 ``index_edit``                           ``.pitstop/index.json`` edited, garbage, or deleted
 
 Then a read-only manager restores and loads the damaged checkpoint by step, loads the latest,
@@ -51,7 +51,7 @@ import numpy as np
 
 import pitstop
 from pitstop.core.errors import CheckpointError
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 from pitstop.core.restore.read import CheckpointReader
 
 from . import Result

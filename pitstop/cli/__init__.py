@@ -67,7 +67,8 @@ from pitstop.core.errors import (
     DirectoryLockedError,
     EncryptionKeyError,
 )
-from pitstop.core.format.manifest import Manifest, load_json
+from pitstop.core.format.decoding import load_json
+from pitstop.core.format.schema import Manifest
 from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.restore.stream import nbytes_of
 from pitstop.core.save import memtier

@@ -26,7 +26,7 @@ import numpy as np
 
 from pitstop.core.format.dtypes import ML_FLOATS, decode_dtype
 from pitstop.core.format.hashing import new_hasher
-from pitstop.core.format.manifest import ArrayEntry, Manifest
+from pitstop.core.format.schema import ArrayEntry, Manifest
 from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.restore.stream import nbytes_of
 from pitstop.core.tree import encode_value

@@ -70,7 +70,7 @@ from pitstop.core.errors import (
 )
 from pitstop.core.format.crypto import ENV, Encryption
 from pitstop.core.format.hashing import DEFAULT
-from pitstop.core.format.manifest import Manifest
+from pitstop.core.format.schema import Manifest
 from pitstop.core.policy import (
     AnyOf,
     AutoInterval,

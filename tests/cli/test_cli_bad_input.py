@@ -13,7 +13,7 @@ import pytest
 from entry_point import run_commands
 
 import pitstop
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 from pitstop.core.manager import step_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -382,7 +382,7 @@ def test_a_hard_linked_data_file_is_refused_as_a_symlink_is(tmp_path):
     import numpy as np
 
     from pitstop.core.format.hashing import hash_bytes
-    from pitstop.core.format.manifest import seal
+    from pitstop.core.format.seal import seal
     d = tmp_path / "run"
     with pitstop.CheckpointManager(d, save_on_signals=None, memory_tier=False,
                                    incremental=True) as m:
@@ -421,7 +421,8 @@ def test_a_manifest_with_a_key_twice_is_refused_and_retention_agrees(tmp_path):
     (retention deleted a checkpoint every reader took for another directory's); a key twice
     inside an entry, or in .pitstop/directory.json, was read too. Every parse now refuses
     a key twice, and the header read leaves such a manifest to the whole parse."""
-    from pitstop.core.format.manifest import peek_header, seal
+    from pitstop.core.format.seal import seal
+    from pitstop.core.format.validate import peek_header
 
     def twice(ckpt, edit) -> None:
         body = (ckpt / "manifest.json").read_bytes()

@@ -11,7 +11,7 @@ import pytest
 
 import pitstop
 from benchmarks.reliability import corruption
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 
 TRIALS = 50  # five of each kind
 SEED = 20261201

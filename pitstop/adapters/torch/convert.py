@@ -523,7 +523,7 @@ def _check_dcp_metadata(md: Any, where: str) -> dict[str, tuple[Any, ...]]:
         TensorStorageMetadata,
     )
 
-    from pitstop.core.format.manifest import MAX_BYTES, MAX_ELEMENTS, MAX_NDIM
+    from pitstop.core.format.schema import MAX_BYTES, MAX_ELEMENTS, MAX_NDIM
 
     def _short(x: Any) -> str:
         return reprlib.repr(x)  # depth- and length-limited: a nested value never recurses

@@ -24,7 +24,9 @@ from typing import Any
 
 from pitstop.core.directory.names import DEFAULT, Naming
 from pitstop.core.errors import CheckpointError, InvalidArgumentError
-from pitstop.core.format.manifest import Manifest, load_json, peek_header
+from pitstop.core.format.decoding import load_json
+from pitstop.core.format.schema import Manifest
+from pitstop.core.format.validate import peek_header
 from pitstop.core.policy import (
     CheckpointInfo,
     KeepAll,
@@ -645,7 +647,7 @@ class Catalog:
         """The leading fields of a plaintext checkpoint's manifest, seal checked, when they
         are of the step its name holds; ``{"directory_id": None}`` (not ours) when it cannot
         be read or its seal fails; None when only a whole parse can tell (see
-        :func:`~pitstop.core.format.manifest.peek_header`)."""
+        :func:`~pitstop.core.format.validate.peek_header`)."""
         from pitstop.core.storage.local import MANIFEST
         name = self.naming.name(step)
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pitstop.core.errors import CheckpointError
-from pitstop.core.format.manifest import SHARD_MARK, ArrayEntry, Manifest, group_pieces
+from pitstop.core.format.schema import SHARD_MARK, ArrayEntry, Manifest, group_pieces
 from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.save.engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
 from pitstop.core.save.memtier import MemoryTier, malformed

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pitstop.core.errors import CheckpointError, CorruptCheckpointError
-from pitstop.core.format.manifest import ArrayEntry
+from pitstop.core.format.schema import ArrayEntry
 from pitstop.core.restore.plan import RestorePlan
 from pitstop.core.restore.report import _q, _some
 from pitstop.core.restore.stream import RUN_MAX, RUN_MIN, SMALL, ArrayReader

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pitstop.core.errors import CheckpointError, CorruptCheckpointError
-from pitstop.core.format.manifest import ArrayEntry, Manifest
+from pitstop.core.format.schema import ArrayEntry, Manifest
 from pitstop.core.storage.local import pread_full
 
 SMALL = 1 << 20

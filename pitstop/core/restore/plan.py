@@ -17,7 +17,7 @@ import numpy as np
 
 from pitstop.core.errors import CorruptCheckpointError, IncompatibleTargetError
 from pitstop.core.format.dtypes import decode_dtype
-from pitstop.core.format.manifest import ArrayEntry, Manifest
+from pitstop.core.format.schema import ArrayEntry, Manifest
 from pitstop.core.restore.keys import ROOT, _child, _is_under, _Keys, _kind, _root_key
 from pitstop.core.restore.report import RestoreReport, _q, describe_mismatch
 from pitstop.core.restore.stream import ArrayReader

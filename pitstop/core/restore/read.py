@@ -18,16 +18,10 @@ from pitstop.core.errors import (
     EncryptionKeyError,
     IncompatibleTargetError,
 )
+from pitstop.core.format.decoding import PARSE_FRAMES, deeper_than, load_json, on_fresh_stack
 from pitstop.core.format.dtypes import decode_dtype
-from pitstop.core.format.manifest import (
-    PARSE_FRAMES,
-    ArrayEntry,
-    Manifest,
-    deeper_than,
-    load_json,
-    on_fresh_stack,
-    parse,
-)
+from pitstop.core.format.schema import ArrayEntry, Manifest
+from pitstop.core.format.validate import parse
 from pitstop.core.restore.apply import apply
 from pitstop.core.restore.check import check
 from pitstop.core.restore.data import read_data

@@ -15,7 +15,7 @@ from pitstop.core.errors import CheckpointError, CorruptCheckpointError
 from pitstop.core.format import codecs
 from pitstop.core.format.dtypes import decode_dtype
 from pitstop.core.format.hashing import new_hasher
-from pitstop.core.format.manifest import ArrayEntry
+from pitstop.core.format.schema import ArrayEntry
 from pitstop.core.restore.files import SMALL, WINDOW, CheckpointFiles, _shown
 
 READ_CHUNK = 16 << 20

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pitstop.core.errors import CheckpointError
-from pitstop.core.format.manifest import SHARD_MARK
+from pitstop.core.format.schema import SHARD_MARK
 
 
 class CoordinationError(CheckpointError):

@@ -36,15 +36,15 @@ from pitstop.core.errors import CheckpointError, CheckpointWriteError, Unsupport
 from pitstop.core.format import codecs
 from pitstop.core.format.dtypes import encode_dtype, is_inexact
 from pitstop.core.format.hashing import new_hasher
-from pitstop.core.format.manifest import (
+from pitstop.core.format.schema import (
     SHARD_MARK,
     ArrayEntry,
     Manifest,
     RankView,
     group_pieces,
-    parse,
     piece_key,
 )
+from pitstop.core.format.validate import parse
 from pitstop.core.runtime.coordination import CoordinationError, Coordinator, Holding, plan
 from pitstop.core.save.lazy import LAZY_MIN_BYTES, LazyCopy, LazyVersionError
 from pitstop.core.save.snapshot import Layout, StagingBuffer, StagingPool

@@ -410,7 +410,7 @@ def layout_from_json(doc: Any) -> Layout:
     """The layout a tier description records, checked before anything is mapped with it:
     distinct keys, known dtypes, sane shapes, each array's bytes (its shape times its
     itemsize) inside the buffer's total; ValueError otherwise."""
-    from pitstop.core.format.manifest import MAX_BYTES, MAX_NDIM
+    from pitstop.core.format.schema import MAX_BYTES, MAX_NDIM
 
     if not isinstance(doc, dict) or not isinstance(doc.get("arrays"), list):
         raise ValueError("it has no list of arrays")

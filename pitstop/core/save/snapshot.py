@@ -21,7 +21,7 @@ import numpy as np
 
 from pitstop.core.errors import CheckpointError
 from pitstop.core.format.dtypes import encode_dtype
-from pitstop.core.format.manifest import SHARD_MARK
+from pitstop.core.format.schema import SHARD_MARK
 from pitstop.core.tree import ArrayLeaf
 
 log = logging.getLogger("pitstop")

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import pitstop
 from pitstop.adapters.jax import abstract_state, allow_dtype_cast, load_arrays
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 
 ocp = pytest.importorskip("orbax.checkpoint")
 DEVICES = jax.devices()

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pitstop
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 
 ROOT = Path(__file__).resolve().parents[3]
 DEVICES = jax.devices()

@@ -27,7 +27,7 @@ from dist_helpers import (  # noqa: E402
 )
 from dist_worker import dec, originals  # noqa: E402
 
-from pitstop.core.format.manifest import parse  # noqa: E402
+from pitstop.core.format.validate import parse  # noqa: E402
 from pitstop.core.restore.read import CheckpointReader  # noqa: E402
 from pitstop.core.storage import LocalStorage  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Bad input found by hand, each kept as a test: a manifest edited *and resealed* (as an
-attacker or a buggy tool would: its ``manifest_hash`` recomputed with ``manifest.seal``),
+attacker or a buggy tool would: its ``manifest_hash`` recomputed with ``seal.seal``),
 a FIFO or a symlink where a data file should be. Every one is a clear
 :class:`CorruptCheckpointError` naming the checkpoint and the key or file, through
 ``load()``, ``restore()``, ``verify()`` and ``pitstop verify``; ``restore()`` / ``load()`` of
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 from pitstop.core.manager import step_name
 from pitstop.core.restore import read as reader_mod
 from pitstop.core.restore.read import CheckpointReader

@@ -18,7 +18,8 @@ import pytest
 
 import pitstop
 from pitstop.core.format import crypto
-from pitstop.core.format.manifest import parse, seal
+from pitstop.core.format.seal import seal
+from pitstop.core.format.validate import parse
 from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
 from pitstop.core.tree import ArrayLeaf, NumpyLeaf
@@ -274,8 +275,8 @@ def test_older_reader_refuses_as_newer_format(tmp_path, monkeypatch):
     saved(tmp_path, steps=(1,))
     data = (step_dir(tmp_path, 1) / "manifest.json").read_bytes()
     assert json.loads(data)["format_version"] == "3.0"
-    from pitstop.core.format import manifest
-    monkeypatch.setattr(manifest, "MAJOR", 2)
+    from pitstop.core.format import validate
+    monkeypatch.setattr(validate, "MAJOR", 2)
     with pytest.raises(pitstop.UnsupportedFormatError, match="Upgrade pitstop"):
         parse(data, "x", enc())
 

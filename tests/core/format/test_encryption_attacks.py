@@ -17,7 +17,7 @@ import pytest
 
 import pitstop
 from pitstop.core.format import crypto
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))

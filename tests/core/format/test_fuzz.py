@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import pitstop
 from pitstop.core.errors import CheckpointError, IncompatibleTargetError
 from pitstop.core.format.hashing import ALGORITHMS, hash_bytes
-from pitstop.core.format.manifest import parse, seal
+from pitstop.core.format.seal import seal
+from pitstop.core.format.validate import parse
 from pitstop.core.manager import step_name
 from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.save.memtier import MemoryTier, malformed

@@ -1,5 +1,5 @@
 """Bad input found by probing the one-validation read path as an attacker or a buggy tool
-would: each manifest below is edited *and resealed* (``manifest.seal``) unless the test
+would: each manifest below is edited *and resealed* (``seal.seal``) unless the test
 says otherwise. Every one must be a clear :class:`CorruptCheckpointError` (or read back
 exactly), never a raw exception, a hang or a silent wrong resume."""
 
@@ -16,7 +16,7 @@ import pytest
 from test_bad_input import blank, open_mgr, state_of, templates  # noqa: F401,F811
 
 import pitstop
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 from pitstop.core.manager import step_name
 from pitstop.core.restore.read import CheckpointReader
 from pitstop.core.storage.local import LocalStorage
@@ -139,7 +139,7 @@ def test_shards_split_on_a_later_axis_are_checked_without_comparing_all_pairs():
     """The overlap check swept along the first dimension only: 4096 shards of [1, 4096]
     (split on axis 1, all sharing axis 0) were compared all with all, 17 s per parse (and a
     restore parses more than once). It now sweeps the axis the shards split most."""
-    from pitstop.core.format.manifest import parse
+    from pitstop.core.format.validate import parse
     m = parse(sharded_manifest([1, 4096], [[[0, 1], [i, i + 1]] for i in range(4096)]), "x")
     assert len(m.arrays["w"].shards) == 4096
     grid = [[[i, i + 1], [j, j + 1]] for i in range(64) for j in range(64)]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.core.format.manifest import seal
+from pitstop.core.format.seal import seal
 from pitstop.core.manager import step_name
 
 STEPS = (1, 2, 3)

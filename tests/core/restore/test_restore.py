@@ -503,7 +503,7 @@ def test_a_generator_of_another_kind_is_refused_before_writing(tmp_path):
 def _reseal(directory, step: int, edit) -> None:
     import json
 
-    from pitstop.core.format.manifest import _HASH_KEY, seal
+    from pitstop.core.format.seal import _HASH_KEY, seal
     path = os.path.join(directory, step_name(step), "manifest.json")
     data = open(path, "rb").read()
     doc = json.loads(data)

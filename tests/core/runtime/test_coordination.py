@@ -14,7 +14,7 @@ import pytest
 from thread_ranks import ranks
 
 import pitstop
-from pitstop.core.format.manifest import parse
+from pitstop.core.format.validate import parse
 from pitstop.core.runtime.coordination import CoordinationError, Coordinator, Holding, plan
 
 

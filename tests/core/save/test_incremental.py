@@ -18,8 +18,9 @@ import pytest
 import pitstop
 from pitstop.cli import main
 from pitstop.core.directory.names import step_name
-from pitstop.core.format import manifest as manifest_mod
-from pitstop.core.format.manifest import parse, seal
+from pitstop.core.format import validate as validate_mod
+from pitstop.core.format.seal import seal
+from pitstop.core.format.validate import parse
 
 N = 8
 FROZEN = ("w0", "w2", "w3", "w4", "w6", "w7")  # the backbone; w1 and w5 train
@@ -410,7 +411,7 @@ def test_older_readers_refuse_with_upgrade_and_refs_are_validated(tmp_path, monk
     holder_run(d)
     data = (d / step_name(3) / "manifest.json").read_bytes()
     with monkeypatch.context() as m:
-        m.setattr(manifest_mod, "MAJOR", 3)  # a reader from before incremental checkpoints
+        m.setattr(validate_mod, "MAJOR", 3)  # a reader from before incremental checkpoints
         with pytest.raises(pitstop.UnsupportedFormatError, match="Upgrade pitstop"):
             parse(data, "x")
     bad = [

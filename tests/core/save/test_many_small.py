@@ -12,7 +12,9 @@ import pytest
 
 import pitstop
 from pitstop.core.directory.names import step_name
-from pitstop.core.format.manifest import ArrayEntry, Manifest, _arrays_json, parse, peek_header
+from pitstop.core.format.encode import _arrays_json
+from pitstop.core.format.schema import ArrayEntry, Manifest
+from pitstop.core.format.validate import parse, peek_header
 from pitstop.core.tree import FlattenCache, flatten
 
 N = 300  # more than FlattenCache.MIN and restore's RUN_MIN
@@ -118,7 +120,7 @@ def test_a_bad_plain_entry_among_many_is_refused_as_the_full_check_refuses_it(ed
     doc = json.loads(m.to_bytes())
     del doc["manifest_hash"]
     edit(doc["arrays"]["a7"])
-    from pitstop.core.format.manifest import seal
+    from pitstop.core.format.seal import seal
     data = seal(json.dumps(doc, separators=(",", ":")).encode(), "xxh3-128")
     with pytest.raises(pitstop.CorruptCheckpointError, match=match) as info:
         parse(data, "ck")

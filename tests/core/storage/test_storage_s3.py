@@ -394,7 +394,7 @@ def garbage_manifest(endpoint, bucket, step):
 
 
 def dotdot_path(endpoint, bucket, step):
-    from pitstop.core.format.manifest import seal
+    from pitstop.core.format.seal import seal
     key = f"run/{step_name(step)}/manifest.json"
     doc = json.loads(_obj(endpoint, bucket, key))
     doc.pop("manifest_hash", None)
