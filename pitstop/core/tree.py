@@ -3,7 +3,7 @@
 ``flatten`` turns a user's state into ``{key_path: leaf}`` where each leaf is an
 :class:`ArrayLeaf` (a reference to live memory, never a copy) or a :class:`ValueLeaf`
 (small JSON-able state). Framework objects are turned into subtrees by adapters
-(``pitstop.adapters.registry``); core itself never imports a framework.
+(:mod:`pitstop.core.adapter`); core itself never imports a framework.
 
 Key paths join components with ``/``; a ``/`` or ``~`` inside a component is escaped as
 ``~1`` / ``~0`` (as in JSON Pointer) and an empty component is written ``~2``, so every path
@@ -288,7 +288,7 @@ class FlatState:
     def layouts(self) -> dict[str, Any]:
         """The layouts array leaves record (the manifest's ``layouts``); empty when the
         state holds no leaf of a framework that records one."""
-        if not any(getattr(a, "records_layout", False) for a in self.used):
+        if not any(a.records_layout for a in self.used if not isinstance(a, str)):
             return {}
         return {k: a.layout for k, a in self.arrays.items() if a.layout is not None}
 
@@ -657,20 +657,16 @@ class _Flattener:
                 raise UnsupportedStateError(
                     f"state entry {_where(path)}: capturing the {type(obj).__name__} failed "
                     f"({type(e).__name__}: {e})") from e
-            caveats = getattr(adapter, "caveats", None)
-            if caveats is not None:
-                flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in caveats(obj))
+            flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in adapter.caveats(obj))
             node = AdapterNode(obj, adapter, subtree, [subtree], parent, key)
             sub = self.walk(subtree, path, node.holder, 0, depth + 1)
         finally:
             self.open.discard(id(obj))
         flat.adapters.append((path, node))
         flat.used.add(adapter)
-        more = getattr(adapter, "frameworks", None)
-        if more is not None:  # (a framework one adapter captures for another: Keras on TF)
-            flat.used.update(more(obj))
-        tag = getattr(adapter, "type_tag", None)
-        name = tag(obj) if tag is not None else None
+        # (a framework one adapter captures for another: Keras on TF)
+        flat.used.update(adapter.frameworks(obj))
+        name = adapter.type_tag(obj)
         return {"$o": sub, "$type": name} if name else {"$o": sub}
 
     def _container(self, obj: Any, path: str, parent: Any, key: Any, depth: int) -> Any:

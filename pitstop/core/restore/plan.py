@@ -261,12 +261,10 @@ class RestorePlan:
         adapter knows why (an optimizer not built yet), the key lists only show that."""
         out = []
         for path, node in self.flat.adapters:
-            check = getattr(node.adapter, "check", None)
-            if check is None or not self.ck.under(path) \
-                    or not any(_is_under(k, path) for k in keys):
+            if not self.ck.under(path) or not any(_is_under(k, path) for k in keys):
                 continue
             try:
-                check(node.obj, self.subtree(path, _spec))
+                node.adapter.check(node.obj, self.subtree(path, _spec))
             except Exception as e:  # noqa: BLE001 - an adapter's refusal, whatever it raised
                 out.append(f"{_q(_root_key(path))} ({type(node.obj).__name__}): {e}")
         return out
@@ -276,11 +274,10 @@ class RestorePlan:
         observer's buffers that its own load_state_dict resizes): full key -> (node, key)."""
         out: dict[str, tuple[Any, Any]] = {}
         for path, node in self.flat.adapters:
-            fn = getattr(node.adapter, "replaceable", None)
             tree = node.tree
-            if fn is None or not isinstance(tree, MutableMapping):
+            if not isinstance(tree, MutableMapping):
                 continue
-            for k in fn(node.obj):
+            for k in node.adapter.replaceable(node.obj):
                 if k in tree:
                     out[join(path, k)] = (node, k)
         return out
@@ -330,7 +327,7 @@ class RestorePlan:
         checkpoint differs from the captured one: their object gets the checkpoint's."""
         m, flat = self.m, self.flat
         for path, node in flat.adapters:
-            if not getattr(node.adapter, "replace_on_mismatch", False):
+            if not node.adapter.replace_on_mismatch:
                 continue
             if any(_is_under(path, p) for p in self.replaced):
                 continue
@@ -402,14 +399,13 @@ class RestorePlan:
             if other is not None:
                 refuse(_root_key(path), other)
                 continue
-            check = getattr(node.adapter, "check", None)
-            if check is None or any(_is_under(path, p) for p in self.skipped_adapters):
+            if any(_is_under(path, p) for p in self.skipped_adapters):
                 continue
             if not self.ck.under(path):
                 continue
             key = _root_key(path)
             try:
-                check(node.obj, self.subtree(path, _spec))
+                node.adapter.check(node.obj, self.subtree(path, _spec))
             except Exception as e:  # noqa: BLE001 - an adapter's refusal, whatever it raised
                 if self.strict:
                     problems.append(f"{_q(key)} ({type(node.obj).__name__}): {e}")
@@ -425,8 +421,7 @@ class RestorePlan:
     def _other_type(self, path: str, node: Any) -> str | None:
         """Why the object at ``path`` is not of the type the checkpoint recorded there (an
         adapter's ``type_tag``: a pytree node rebuilt from the target must be the saved one)."""
-        tag = getattr(node.adapter, "type_tag", None)
-        live = tag(node.obj) if tag is not None else None
+        live = node.adapter.type_tag(node.obj)
         if not live:
             return None
         saved = self.m.structure
@@ -509,7 +504,7 @@ class RestorePlan:
         has nowhere to go: the state's root, or a container that cannot change."""
         out = []
         for path, node in self.flat.adapters:
-            if not getattr(node.adapter, "rebuilds", False) or not self.ck.under(path) \
+            if not node.adapter.rebuilds or not self.ck.under(path) \
                     or _root_key(path) in self.bad:
                 continue
             if node.parent is None:
@@ -755,7 +750,7 @@ class RestorePlan:
                 raise self._partly(
                     f"putting back {_q(key)} ({type(node.obj).__name__}) failed: "
                     f"{type(e).__name__}: {e}", applied, done) from e
-            if getattr(node.adapter, "rebuilds", False) and result is not None \
+            if node.adapter.rebuilds and result is not None \
                     and result is not node.obj:
                 if node.parent is None:
                     assert flat.detached, "the check phase refuses an immutable root object"
