@@ -1422,6 +1422,12 @@ class CheckpointManager:
             supervised.report(event, dir=self.directory, read_only=self.read_only,
                               rank=self._rank_world[0], **fields)
 
+    def report_restored(self, step: int | None) -> None:
+        """Tell ``pitstop run`` (when the job runs under it) the step this job resumed from,
+        None for a fresh start: for a face that restores by its own means (tf.train's
+        ``CheckpointManager``, Keras's ``BackupAndRestore``). Never raises."""
+        self._tell_supervisor("restore", step=step)
+
     def _distrust_previous(self) -> None:
         """A read found damaged bytes (in a checkpoint or in a holder it references): an
         incremental save must not reference the last commit's bytes any more, which may be

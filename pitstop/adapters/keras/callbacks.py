@@ -646,7 +646,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._epoch_complete = False
         mgr = self._manager()
         if mgr.latest_step() is None:
-            mgr._tell_supervisor("restore", step=None)  # `pitstop run`: a fresh start
+            mgr.report_restored(None)  # `pitstop run`: a fresh start
             return
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # to restore its slots into
