@@ -96,7 +96,10 @@ class BuiltinFinder(Finder):
         for root in DISTRIBUTED:
             target = LAZY[root]
             if root in sys.modules and target not in sys.modules:
-                importlib.import_module(target)
+                try:
+                    importlib.import_module(target)
+                except ImportError:
+                    continue  # a broken install: found as before, when one of its objects shows up
 
 
 register_finder(BuiltinFinder())
