@@ -7,6 +7,8 @@
 """
 
 from pitstop._version import __version__
+
+# (importing pitstop.adapters wires the builtin frameworks' lazy loading into core's registry)
 from pitstop.adapters.rng import RNG
 from pitstop.core.errors import (
     CheckpointError,

@@ -66,7 +66,7 @@ from pathlib import Path
 import pytest
 
 import pitstop
-from pitstop.adapters import registry
+from pitstop.core import adapter as registry
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -545,7 +545,7 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
         # adapters the page registered (its classes live in the page's namespace); the ones
         # pitstop registered meanwhile (torch's, imported on first use) stay
         registry._adapters[:] = [a for a in registry._adapters
-                                 if not type(a).__module__.startswith("docs_")]
+                                 if not type(getattr(a, "inner", a)).__module__.startswith("docs_")]
         ns.clear()
         gc.collect()
 

@@ -16,7 +16,7 @@ def _foreign(module: str) -> object:
 # whose adapter is planned but not built)
 @pytest.mark.parametrize("module,root", [("fakefw.core", "fakefw")])
 def test_a_framework_without_an_adapter_is_refused_by_name(tmp_path, monkeypatch, module, root):
-    from pitstop.adapters import registry
+    from pitstop import adapters as registry
 
     monkeypatch.setitem(registry.LAZY, root, f"pitstop.adapters.{root}")
     monkeypatch.setitem(registry.INSTALL_HINT, root, root)

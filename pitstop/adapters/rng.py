@@ -2,9 +2,9 @@
 
 Put ``pitstop.RNG()`` in the state to save and restore them all; after a restore, the next
 draw of ``random``, ``np.random``, ``torch.rand`` (CPU and CUDA) ... is the one the
-uninterrupted run would have made. Frameworks plug in through :func:`register_rng_provider`;
-this module imports no framework itself, and only frameworks already in ``sys.modules``
-are captured (pitstop never imports one just to save its seed).
+uninterrupted run would have made. Frameworks plug in through their plugin's ``rng`` (or
+:func:`register_rng_provider`); this module imports no framework itself, and only frameworks
+already in ``sys.modules`` are captured (pitstop never imports one just to save its seed).
 
 Generator *objects* in the state work too: ``np.random.Generator``, ``np.random.RandomState``
 and ``random.Random`` (adapters below), ``torch.Generator`` (torch adapter). Their state is
@@ -18,29 +18,18 @@ import logging
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pitstop.adapters.registry import register_adapter
+from pitstop.core.adapter import Adapter, RNGProvider, register_adapter, rng_providers
 from pitstop.core.errors import IncompatibleTargetError
 
 log = logging.getLogger("pitstop")
 
 
-@dataclass(frozen=True)
-class RNGProvider:
-    """How to read and set one framework's global generators (JSON-able state)."""
-
-    name: str
-    #: top-level module that must already be imported for this provider to be used
-    module: str
-    get_state: Callable[[], Any]
-    set_state: Callable[[Any], None]
-
-
-_providers: dict[str, RNGProvider] = {}
+#: every provider by name (core keeps them: a framework's plugin brings its own)
+_providers = rng_providers
 #: framework module -> pitstop module that registers its provider on import
 LAZY_PROVIDERS: dict[str, str] = {
     "torch": "pitstop.adapters.torch",
@@ -147,7 +136,7 @@ class RNG:
 
 
 # ---------------------------------------------------------------------- generator objects
-class NumpyGeneratorAdapter:
+class NumpyGeneratorAdapter(Adapter):
     """``np.random.Generator`` / ``BitGenerator``: ``bit_generator.state`` as JSON values."""
 
     def can_handle(self, obj: Any) -> bool:
@@ -175,7 +164,7 @@ class NumpyGeneratorAdapter:
                 f"np.random.{saved}()) to resume its stream")
 
 
-class RandomStateAdapter:
+class RandomStateAdapter(Adapter):
     """``np.random.RandomState`` objects (legacy API)."""
 
     def can_handle(self, obj: Any) -> bool:
@@ -194,7 +183,7 @@ class RandomStateAdapter:
                 "restore into the kind of generator that was saved")
 
 
-class PythonRandomAdapter:
+class PythonRandomAdapter(Adapter):
     """``random.Random`` instances (the module-level functions are covered by :class:`RNG`)."""
 
     def can_handle(self, obj: Any) -> bool:

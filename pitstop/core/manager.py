@@ -118,7 +118,7 @@ __all__ = ["CheckpointManager", "step_name", "DEFAULT_SIGNALS", "CONTINUE_SIGNAL
 
 
 def _resolver() -> Callable[[Any], Any]:
-    from pitstop.adapters.registry import resolve
+    from pitstop.core.adapter import resolve
     return resolve
 
 
@@ -1095,7 +1095,7 @@ class CheckpointManager:
         key = frozenset(flat.used)
         known = self._frameworks.get(key)
         if known is None:
-            from pitstop.adapters.registry import frameworks_of
+            from pitstop.core.adapter import frameworks_of
             known = self._frameworks[key] = frameworks_of(key)
         return known
 
@@ -1423,6 +1423,12 @@ class CheckpointManager:
             supervised.report(event, dir=self.directory, read_only=self.read_only,
                               rank=self._rank_world[0], **fields)
 
+    def report_restored(self, step: int | None) -> None:
+        """Tell ``pitstop run`` (when the job runs under it) the step this job resumed from,
+        None for a fresh start: for a face that restores by its own means (tf.train's
+        ``CheckpointManager``, Keras's ``BackupAndRestore``). Never raises."""
+        self._tell_supervisor("restore", step=step)
+
     def _distrust_previous(self) -> None:
         """A read found damaged bytes (in a checkpoint or in a holder it references): an
         incremental save must not reference the last commit's bytes any more, which may be
@@ -1603,7 +1609,7 @@ def _kind_of(e: CheckpointError) -> str:
 
 
 def _ambient_rank() -> tuple[int, int]:
-    from pitstop.adapters.registry import ambient_rank
+    from pitstop.core.adapter import ambient_rank
     return ambient_rank()
 
 
@@ -1616,7 +1622,7 @@ def _coordinator(distributed: Any) -> Coordinator | None:
     if distributed is False:
         return None
     if distributed == "auto" or distributed is True:
-        from pitstop.adapters.registry import ambient_coordinator
+        from pitstop.core.adapter import ambient_coordinator
         coord = ambient_coordinator()
         if coord is None and distributed is True:
             raise InvalidArgumentError(
@@ -1647,9 +1653,10 @@ def _skeleton(target: Any, resolve: Callable[[Any], Any]) -> Any:
             return type(x)._make(copy(v) for v in x)  # type: ignore[attr-defined]
         if isinstance(x, (*_PLAIN_VALUES, np.generic)):
             return x
-        own = getattr(resolve(x), "skeleton", None)
+        adapter = resolve(x)
+        own = adapter.skeleton(x, copy) if adapter is not None else None
         if own is not None:
-            return own(x, copy)  # a pytree node (a Flax nnx.State too) rebuilt by its adapter
+            return own  # a pytree node (a Flax nnx.State too) rebuilt by its adapter
         if isinstance(x, MutableMapping):  # OrderedDict, defaultdict ...
             items = {k: copy(v) for k, v in x.items()}
             try:
@@ -1695,6 +1702,6 @@ def _no_gc() -> Iterator[None]:
 
 
 def _pin_hooks() -> list[Any]:
-    from pitstop.adapters.registry import staging_hooks
+    from pitstop.core.adapter import staging_hooks
     return staging_hooks  # the live list: adapters imported later add their hooks to it
 

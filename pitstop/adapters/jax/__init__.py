@@ -21,13 +21,17 @@ from __future__ import annotations
 from typing import Any
 
 from pitstop.adapters.jax._adapter import JaxAdapter, is_typed_key
+from pitstop.adapters.jax._ambient import ambient_coordinator, ambient_rank
 from pitstop.adapters.jax._leaf import JaxArrayLeaf, allow_dtype_cast
 from pitstop.adapters.jax._saved import abstract_state, load_arrays
-from pitstop.adapters.registry import register_adapter
+from pitstop.core.adapter import Plugin, register
 
-# after the adapters of specific frameworks (a Keras variable on the JAX backend is Keras's):
-# this one also takes any registered pytree node
-register_adapter(JaxAdapter(), first=False)
+register(Plugin(
+    "jax", modules=("jax", "flax", "optax"),
+    # after the adapters of specific frameworks (a Keras variable on the JAX backend is
+    # Keras's): this one also takes any registered pytree node
+    fallbacks=(JaxAdapter(),),
+    coordinator=ambient_coordinator, rank=ambient_rank))
 
 
 def __getattr__(name: str) -> Any:

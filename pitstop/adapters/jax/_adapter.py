@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from pitstop.adapters.jax._leaf import JaxArrayLeaf
+from pitstop.core.adapter import Adapter
 from pitstop.core.errors import IncompatibleTargetError, UnsupportedStateError
 from pitstop.core.tree import ArraySpec
 
@@ -94,7 +95,7 @@ def _nnx() -> Any:
     return nnx
 
 
-class JaxAdapter:
+class JaxAdapter(Adapter):
     """See the module docstring."""
 
     rebuilds = True

@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import keras
 
-from pitstop.adapters.keras._adapter import KerasAdapter
+from pitstop.adapters.keras._adapter import KerasAdapter, writer_info
 from pitstop.adapters.keras._leaf import KerasVariableLeaf
-from pitstop.adapters.registry import register_adapter
+from pitstop.core.adapter import Plugin, register
 
 if keras.backend.backend() == "torch":
     # a Keras layer is a torch.nn.Module there: load the torch adapter first, so that the
     # Keras adapter, registered in front of it, is the one asked about Keras objects
     from pitstop.adapters import torch as _torch  # noqa: F401
 
-register_adapter(KerasAdapter())
-
-from pitstop.adapters.keras.callbacks import BackupAndRestore, ModelCheckpoint  # noqa: E402
+from pitstop.adapters.keras.callbacks import (  # noqa: E402
+    BackupAndRestore,
+    FitStateAdapter,
+    ModelCheckpoint,
+)
 from pitstop.adapters.keras.files import verify_file  # noqa: E402
+
+register(Plugin("keras", modules=("keras",), adapters=(FitStateAdapter(), KerasAdapter()),
+                writer_info=writer_info))
 
 __all__ = ["ModelCheckpoint", "BackupAndRestore", "KerasVariableLeaf", "verify_file"]

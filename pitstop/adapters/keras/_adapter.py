@@ -10,11 +10,13 @@ architecture. Every mismatch is refused before a byte is written, naming the var
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import keras
 
 from pitstop.adapters.keras._leaf import BACKEND, KerasVariableLeaf
+from pitstop.core.adapter import Adapter
 from pitstop.core.errors import IncompatibleTargetError
 from pitstop.core.tree import ArraySpec
 
@@ -47,7 +49,7 @@ def _hint(obj: Any) -> str:
     return "restore into the same kind of object, built the same way"
 
 
-class KerasAdapter:
+class KerasAdapter(Adapter):
     """Keras objects as ordered variable lists (see the module docstring). On the TensorFlow
     backend, objects TensorFlow tracks are left to the TensorFlow adapter, which saves them
     as ``tf.train.Checkpoint`` does (deferred restoration included)."""
@@ -105,3 +107,17 @@ def _check_one(var: Any, spec: Any, saved_path: str) -> None:
             f"variable {var.path} is {leaf.dtype}{list(leaf.shape)} here but the checkpoint's "
             f"{saved_path} is {spec.dtype}{list(spec.shape)}; {why}",
             mismatched=[str(var.path)])
+
+
+def writer_info() -> tuple[dict[str, str], tuple[str, ...]]:
+    """The Keras plugin's part of the manifest's ``writer["frameworks"]``: the backend
+    (``"keras.backend"``), and that backend's module, whose version is recorded too."""
+    keras = sys.modules.get("keras")
+    try:
+        backend = str(keras.backend.backend()) if keras is not None else None
+    except Exception:  # noqa: BLE001 - informational only
+        backend = None
+    if not backend:
+        return {}, ()
+    more = (backend,) if backend in ("tensorflow", "torch", "jax") else ()
+    return {"keras.backend": backend}, more

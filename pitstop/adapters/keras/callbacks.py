@@ -28,8 +28,8 @@ import numpy as np
 
 from pitstop.adapters.keras import files
 from pitstop.adapters.keras._leaf import BACKEND, KerasVariableLeaf, _host, numpy_dtype
-from pitstop.adapters.registry import register_adapter
 from pitstop.adapters.rng import RNG
+from pitstop.core.adapter import Adapter
 from pitstop.core.errors import CheckpointError, CheckpointWriteError, IncompatibleTargetError
 
 _KerasModelCheckpoint: Any = keras.callbacks.ModelCheckpoint
@@ -290,7 +290,7 @@ class _FitState:
         self.owner._loaded(tree)
 
 
-class FitStateAdapter:
+class FitStateAdapter(Adapter):
     """A backup's state is matched strictly: every variable list must have the checkpoint's
     length, shapes and dtypes (a generic ``state_dict`` adapter may replace instead)."""
 
@@ -302,9 +302,6 @@ class FitStateAdapter:
 
     def apply(self, obj: _FitState, tree: dict[str, Any]) -> None:
         obj.load_state_dict(tree)
-
-
-register_adapter(FitStateAdapter())
 
 
 def _global_seed_generator() -> Any:
@@ -649,7 +646,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         self._epoch_complete = False
         mgr = self._manager()
         if mgr.latest_step() is None:
-            mgr._tell_supervisor("restore", step=None)  # `pitstop run`: a fresh start
+            mgr.report_restored(None)  # `pitstop run`: a fresh start
             return
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # to restore its slots into

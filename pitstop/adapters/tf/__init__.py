@@ -21,8 +21,6 @@ first time a TensorFlow object shows up in a state.
 
 from __future__ import annotations
 
-from pitstop.adapters.registry import register_adapter
-from pitstop.adapters.rng import register_rng_provider
 from pitstop.adapters.tf import _rng
 from pitstop.adapters.tf._adapter import TensorHint, TrackableAdapter, VariableAdapter
 from pitstop.adapters.tf._leaf import VariableLeaf
@@ -33,10 +31,12 @@ from pitstop.adapters.tf.checkpoint import (
     NotFoundError,
     latest_checkpoint,
 )
+from pitstop.core.adapter import Plugin, RNGProvider, register
 
-for _adapter in (VariableAdapter(), TrackableAdapter(), TensorHint()):
-    register_adapter(_adapter)
-register_rng_provider("tensorflow", _rng.get_state, _rng.set_state, module="tensorflow")
+register(Plugin(
+    "tf", modules=("tensorflow",),
+    adapters=(TensorHint(), TrackableAdapter(), VariableAdapter()),
+    rng=RNGProvider("tensorflow", "tensorflow", _rng.get_state, _rng.set_state)))
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointLoadStatus", "latest_checkpoint",
            "NotFoundError", "VariableLeaf"]

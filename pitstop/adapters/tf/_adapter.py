@@ -12,11 +12,12 @@ import tensorflow as tf
 
 from pitstop.adapters.tf import _graph
 from pitstop.adapters.tf._leaf import VariableLeaf, base_variable
+from pitstop.core.adapter import Adapter
 from pitstop.core.errors import IncompatibleTargetError, UnsupportedStateError
 from pitstop.core.tree import ArraySpec
 
 
-class VariableAdapter:
+class VariableAdapter(Adapter):
     """A ``tf.Variable`` (or a Keras 3 variable on the TensorFlow backend) placed in the state:
     one array, read at the snapshot, assigned on restore."""
 
@@ -45,7 +46,7 @@ class VariableAdapter:
             VariableLeaf(obj).assign(tree)
 
 
-class TrackableAdapter:
+class TrackableAdapter(Adapter):
     """Any trackable TensorFlow object (``tf.train.Checkpoint``, ``tf.Module``, Keras 3 models,
     layers and optimizers on the TensorFlow backend, ``tf.random.Generator``, ``tf.data``
     iterators): its object graph, matched on restore by TensorFlow's rules (see ``_graph``).
@@ -157,7 +158,7 @@ def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
         "names that saved the checkpoint.", UserWarning, stacklevel=2)
 
 
-class TensorHint:
+class TensorHint(Adapter):
     """A ``tf.Tensor`` is immutable: there is nothing to restore it into."""
 
     def can_handle(self, obj: Any) -> bool:

@@ -49,8 +49,7 @@ from pitstop.core.errors import (
     InvalidArgumentError,
 )
 from pitstop.core.policy import CheckpointInfo
-from pitstop.core.save import memtier as memtier_mod
-from pitstop.core.save.memtier import MemoryTier
+from pitstop.core.survivors import persist_survivors
 
 log = logging.getLogger("pitstop")
 
@@ -86,7 +85,7 @@ class _Runs:
             mgr = ref() if ref is not None else None
             # a reader opened for a restore does not answer for a writer: a manager made
             # after ``restore(path)`` of its directory must be able to save there
-            if mgr is not None and not getattr(mgr, "_closed", False) and (
+            if mgr is not None and not mgr.closed and (
                     not create or not mgr.read_only):
                 return mgr
             naming: dict[str, Any] = (
@@ -147,28 +146,8 @@ def _persist_memory_tier(reader: _CoreManager, directory: str) -> bool:
     ``restore(latest_checkpoint(d))`` would start afresh in silence, and ``restore`` of the
     path ``save()`` returned would not find it. A directory a live writer holds (here or in
     another process) is left to it."""
-    root = memtier_mod.default_root()
-    if root is None or not reader.directory_id:
-        return False
-    steps = reader.all_steps()
-    tier = MemoryTier(root, directory, reader.directory_id)
-    try:
-        waiting = [m for m, _buf in tier.candidates()
-                   if tier.trusted(m, steps[-1] if steps else None) is None]
-    except OSError:
-        return False
-    if not waiting:
-        return False
-    try:
-        writer = _CoreManager(directory, save_on_signals=None, retention=[_Doomed(set())])
-    except CheckpointError:  # DirectoryLockedError: its live writer recovers them
-        return False
-    try:
-        recovered = bool(writer._recovered_all)
-        writer.wait()
-    finally:
-        writer.close()
-    return recovered
+    return persist_survivors(reader, directory, save_on_signals=None,
+                             retention=[_Doomed(set())])
 
 
 class _Doomed:
@@ -394,7 +373,7 @@ class Checkpoint:
     def _manager(self, directory: str, name: str, **options: Any) -> _CoreManager:
         key = (os.path.abspath(directory), name)
         mgr = self._runs.get(key)
-        if mgr is None or mgr._closed:
+        if mgr is None or mgr.closed:
             mgr = _Runs.get(directory, name, create=True, **options)
             self._runs[key] = mgr
         return mgr
@@ -402,7 +381,7 @@ class Checkpoint:
     def sync(self) -> None:
         """Wait until every save of this checkpoint is committed (raises a failed one)."""
         for mgr in list(self._runs.values()):
-            if not mgr._closed:
+            if not mgr.closed:
                 mgr.wait()
 
     # -------------------------------------------------------------- restoring
@@ -539,7 +518,7 @@ def read_tree(path: str, runs: dict[Any, _CoreManager] | None = None) -> Any:
         step = _ONLY
     mgr = None
     for (d, n), m in (runs or {}).items():
-        if d == os.path.abspath(directory) and n == name and not m._closed:
+        if d == os.path.abspath(directory) and n == name and not m.closed:
             mgr = m
     if mgr is None:
         try:
@@ -916,7 +895,7 @@ class CheckpointManager:
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _integer(self._step_counter, "step_counter")
             return latest
-        self._mgr._tell_supervisor("restore", step=None)  # `pitstop run`: a fresh start
+        self._mgr.report_restored(None)  # `pitstop run`: a fresh start
         if self._init_fn is not None:
             self._init_fn()
         return None
@@ -999,11 +978,11 @@ def _latest_in(d: str) -> tuple[float, str] | None:
         prefix = reader.naming.prefix
         ref = _Runs._open.get((os.path.realpath(d), prefix))
         writer = ref() if ref is not None else None
-        if (writer is None or writer._closed or writer.read_only) and \
+        if (writer is None or writer.closed or writer.read_only) and \
                 _persist_memory_tier(reader, d):
             reader.close()
             reader = _CoreManager(d, read_only=True, save_on_signals=None)
-        mgr = writer if writer is not None and not writer._closed else reader
+        mgr = writer if writer is not None and not writer.closed else reader
         steps = mgr.all_steps()
         state = _RunState.of(mgr).recover() if steps else None
         latest = state.get("latest") if state is not None else None

@@ -19,11 +19,8 @@ adapter registry the first time a torch object shows up in a state.
 
 from __future__ import annotations
 
-from pitstop.adapters.registry import exception_hints, register_adapter, staging_hooks
-from pitstop.adapters.rng import register_rng_provider
 from pitstop.adapters.torch import _rng
 from pitstop.adapters.torch._adapter import (
-    DataLoaderHint,
     GeneratorAdapter,
     ModuleAdapter,
     OptimizerAdapter,
@@ -32,6 +29,8 @@ from pitstop.adapters.torch._adapter import (
     TensorAdapter,
     unwrap_module,
 )
+from pitstop.adapters.torch._ambient import ambient_coordinator, ambient_rank
+from pitstop.adapters.torch._hints import DataLoaderHint
 from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
 from pitstop.adapters.torch._workers import worker_death_hint
@@ -42,18 +41,17 @@ from pitstop.adapters.torch.convert import (
     import_torch_save,
 )
 from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
+from pitstop.core.adapter import Plugin, RNGProvider, register
 
-for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter(),
-                 SamplerAdapter()):
-    register_adapter(_adapter)
-# after the specific ones (it would also match modules and optimizers), before the generic
-register_adapter(StatefulAdapter(), first=False)
-register_adapter(DataLoaderHint(), first=False)
-register_rng_provider("torch", _rng.get_state, _rng.set_state, module="torch")
-if pin_staging not in staging_hooks:
-    staging_hooks.append(pin_staging)
-if worker_death_hint not in exception_hints:
-    exception_hints.append(worker_death_hint)
+register(Plugin(
+    "torch", modules=("torch",),
+    adapters=(SamplerAdapter(), GeneratorAdapter(), OptimizerAdapter(), ModuleAdapter(),
+              TensorAdapter()),
+    # after the specific ones (it would also match modules and optimizers), before the generic
+    fallbacks=(StatefulAdapter(), DataLoaderHint()),
+    rng=RNGProvider("torch", "torch", _rng.get_state, _rng.set_state),
+    staging_hook=pin_staging, exception_hint=worker_death_hint,
+    coordinator=ambient_coordinator, rank=ambient_rank))
 
 __all__ = ["ResumableSampler", "ResumableLoader", "TensorLeaf", "unwrap_module",
            "numpy_dtype", "torch_dtype",

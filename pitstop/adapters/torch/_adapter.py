@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from pitstop.adapters.registry import has_state_dict_methods
 from pitstop.adapters.torch._dtensor import dtensor_like, is_dtensor
 from pitstop.adapters.torch._leaf import TensorLeaf, tensor_leaf, to_tensor
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
-from pitstop.core.errors import CheckpointError, IncompatibleTargetError, UnsupportedStateError
+from pitstop.core.adapter import Adapter, has_state_dict_methods
+from pitstop.core.errors import CheckpointError, IncompatibleTargetError
 
 _WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule keeps the real module here
 
@@ -143,7 +143,7 @@ def _refused(obj: Any, e: Exception, fix: str) -> IncompatibleTargetError:
         f"({type(e).__name__}: {e}). {fix}")
 
 
-class TensorAdapter:
+class TensorAdapter(Adapter):
     """A plain tensor in the state: saved as one array, restored in place."""
 
     def can_handle(self, obj: Any) -> bool:
@@ -159,7 +159,7 @@ class TensorAdapter:
             tensor_leaf(obj).assign(tree)
 
 
-class ModuleAdapter:
+class ModuleAdapter(Adapter):
     """``nn.Module`` (also DDP-wrapped or ``torch.compile``d): parameters and buffers by
     reference, keys as in the unwrapped module's ``state_dict``; ``_extra_state`` as values."""
 
@@ -278,7 +278,7 @@ def _loads_its_own_way(cls: type) -> bool:
     return False
 
 
-class OptimizerAdapter:
+class OptimizerAdapter(Adapter):
     """Any ``torch.optim.Optimizer``: per-parameter state tensors by reference (int keys, as
     in ``state_dict``), ``param_groups`` (lr, betas, weight decay, extras) as values.
 
@@ -401,7 +401,7 @@ def _same_dtypes(live: Any, saved: Any) -> Any:
     return live
 
 
-class GeneratorAdapter:
+class GeneratorAdapter(Adapter):
     """A ``torch.Generator`` (CPU or CUDA): its state as a value, set back with set_state."""
 
     def can_handle(self, obj: Any) -> bool:
@@ -444,7 +444,7 @@ class GeneratorAdapter:
                            "seed.") from e
 
 
-class SamplerAdapter:
+class SamplerAdapter(Adapter):
     """:class:`ResumableSampler` / :class:`ResumableLoader`: their position, as values.
 
     A sampler iterated by a plain ``DataLoader`` with worker processes saves a position
@@ -486,7 +486,7 @@ def _grad_scaler_types() -> tuple[type, ...]:
     return tuple(t for t in found if isinstance(t, type))
 
 
-class StatefulAdapter:
+class StatefulAdapter(Adapter):
     """Objects with ``state_dict()``/``load_state_dict()`` (LR schedulers, GradScaler, user
     objects): like the generic adapter, but tensors inside the state dict are captured by
     reference and handed back as tensors. Restoring replaces the state, as
@@ -582,30 +582,3 @@ def _like_live(tree: Any, live: Any) -> Any:
         return _like(tree, seq)
     return tree
 
-
-class DataLoaderHint:
-    """A plain ``DataLoader`` or ``Sampler`` has no state to save: say what to use instead."""
-
-    def can_handle(self, obj: Any) -> bool:
-        from torch.utils.data import DataLoader, Sampler
-        return isinstance(obj, (DataLoader, Sampler)) and not callable(
-            getattr(obj, "state_dict", None))
-
-    def capture(self, obj: Any) -> Any:
-        from torch.utils.data import IterableDataset
-        if isinstance(getattr(obj, "dataset", None), IterableDataset):
-            # ResumableLoader needs a map-style dataset: it would refuse this one
-            raise UnsupportedStateError(
-                f"a {type(obj).__name__} over an IterableDataset "
-                f"({type(obj.dataset).__name__}) has no state to save, so a resumed run "
-                "would restart the stream. Save the dataset's own position instead: give it "
-                "state_dict()/load_state_dict() and put the dataset in the state, or use "
-                "torchdata's StatefulDataLoader (pip install torchdata; its state_dict() "
-                "is saved); or leave the loader out of the state.")
-        raise UnsupportedStateError(
-            f"a {type(obj).__name__} has no state to save, so a resumed run would restart the "
-            "epoch. Use pitstop.adapters.torch.ResumableLoader (DataLoader's arguments plus "
-            "seed) or ResumableSampler, or leave it out of the state.")
-
-    def apply(self, obj: Any, tree: Any) -> None:  # pragma: no cover - capture raises
-        raise AssertionError("unreachable")

@@ -98,7 +98,7 @@ def apply(plan: RestorePlan) -> None:
                 plan,
                 f"putting back {_q(key)} ({type(node.obj).__name__}) failed: "
                 f"{type(e).__name__}: {e}", applied, done) from e
-        if getattr(node.adapter, "rebuilds", False) and result is not None \
+        if node.adapter.rebuilds and result is not None \
                 and result is not node.obj:
             if node.parent is None:
                 assert flat.detached, "the check phase refuses an immutable root object"

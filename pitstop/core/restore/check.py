@@ -57,14 +57,13 @@ def check(plan: RestorePlan) -> None:
         if other is not None:
             refuse(_root_key(path), other)
             continue
-        check = getattr(node.adapter, "check", None)
-        if check is None or any(_is_under(path, p) for p in plan.skipped_adapters):
+        if any(_is_under(path, p) for p in plan.skipped_adapters):
             continue
         if not plan.ck.under(path):
             continue
         key = _root_key(path)
         try:
-            check(node.obj, plan.subtree(path, _spec))
+            node.adapter.check(node.obj, plan.subtree(path, _spec))
         except Exception as e:  # noqa: BLE001 - an adapter's refusal, whatever it raised
             if plan.strict:
                 problems.append(f"{_q(key)} ({type(node.obj).__name__}): {e}")
@@ -81,8 +80,7 @@ def check(plan: RestorePlan) -> None:
 def _other_type(plan: RestorePlan, path: str, node: Any) -> str | None:
     """Why the object at ``path`` is not of the type the checkpoint recorded there (an
     adapter's ``type_tag``: a pytree node rebuilt from the target must be the saved one)."""
-    tag = getattr(node.adapter, "type_tag", None)
-    live = tag(node.obj) if tag is not None else None
+    live = node.adapter.type_tag(node.obj)
     if not live:
         return None
     saved = plan.m.structure
@@ -168,7 +166,7 @@ def _unrebuildable(plan: RestorePlan) -> list[tuple[str, str]]:
     has nowhere to go: the state's root, or a container that cannot change."""
     out = []
     for path, node in plan.flat.adapters:
-        if not getattr(node.adapter, "rebuilds", False) or not plan.ck.under(path) \
+        if not node.adapter.rebuilds or not plan.ck.under(path) \
                 or _root_key(path) in plan.bad:
             continue
         if node.parent is None:

@@ -202,12 +202,10 @@ def _adapters_explain(plan: RestorePlan, keys: list[str]) -> list[str]:
     adapter knows why (an optimizer not built yet), the key lists only show that."""
     out = []
     for path, node in plan.flat.adapters:
-        check = getattr(node.adapter, "check", None)
-        if check is None or not plan.ck.under(path) \
-                or not any(_is_under(k, path) for k in keys):
+        if not plan.ck.under(path) or not any(_is_under(k, path) for k in keys):
             continue
         try:
-            check(node.obj, plan.subtree(path, _spec))
+            node.adapter.check(node.obj, plan.subtree(path, _spec))
         except Exception as e:  # noqa: BLE001 - an adapter's refusal, whatever it raised
             out.append(f"{_q(_root_key(path))} ({type(node.obj).__name__}): {e}")
     return out
@@ -218,11 +216,10 @@ def _replaceable(plan: RestorePlan) -> dict[str, tuple[Any, Any]]:
     observer's buffers that its own load_state_dict resizes): full key -> (node, key)."""
     out: dict[str, tuple[Any, Any]] = {}
     for path, node in plan.flat.adapters:
-        fn = getattr(node.adapter, "replaceable", None)
         tree = node.tree
-        if fn is None or not isinstance(tree, MutableMapping):
+        if not isinstance(tree, MutableMapping):
             continue
-        for k in fn(node.obj):
+        for k in node.adapter.replaceable(node.obj):
             if k in tree:
                 out[join(path, k)] = (node, k)
     return out
@@ -271,7 +268,7 @@ def _choose_replaced(plan: RestorePlan, ck: _Keys, target: _Keys) -> None:
     checkpoint differs from the captured one: their object gets the checkpoint's."""
     m, flat = plan.m, plan.flat
     for path, node in flat.adapters:
-        if not getattr(node.adapter, "replace_on_mismatch", False):
+        if not node.adapter.replace_on_mismatch:
             continue
         if any(_is_under(path, p) for p in plan.replaced):
             continue

@@ -179,7 +179,7 @@ def lost_signal_message(signum: int, signals: SignalSaver, exc: BaseException | 
 
 
 def _hint_for(exc: BaseException) -> str | None:
-    from pitstop.adapters.registry import exception_hints
+    from pitstop.core.adapter import exception_hints
     for hint in exception_hints:
         try:
             text = hint(exc)

@@ -3,7 +3,7 @@
 ``flatten`` turns a user's state into ``{key_path: leaf}`` where each leaf is an
 :class:`ArrayLeaf` (a reference to live memory, never a copy) or a value leaf (small
 JSON-able state). Framework objects are turned into subtrees by adapters
-(``pitstop.adapters.registry``); core itself never imports a framework.
+(:mod:`pitstop.core.adapter`); core itself never imports a framework.
 
 The package's modules, bottom up: ``paths`` (key paths), ``values`` (the JSON encoding of
 value leaves), ``leaves`` (array leaves, :class:`ArraySpec`), ``structure`` (the recorded

@@ -77,7 +77,7 @@ class FlatState:
     def layouts(self) -> dict[str, Any]:
         """The layouts array leaves record (the manifest's ``layouts``); empty when the
         state holds no leaf of a framework that records one."""
-        if not any(getattr(a, "records_layout", False) for a in self.used):
+        if not any(a.records_layout for a in self.used if not isinstance(a, str)):
             return {}
         return {k: a.layout for k, a in self.arrays.items() if a.layout is not None}
 
@@ -261,20 +261,16 @@ class _Flattener:
                 raise UnsupportedStateError(
                     f"state entry {_where(path)}: capturing the {type(obj).__name__} failed "
                     f"({type(e).__name__}: {e})") from e
-            caveats = getattr(adapter, "caveats", None)
-            if caveats is not None:
-                flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in caveats(obj))
+            flat.caveats.extend(f"state entry {_where(path)}: {c}" for c in adapter.caveats(obj))
             node = AdapterNode(obj, adapter, subtree, [subtree], parent, key)
             sub = self.walk(subtree, path, node.holder, 0, depth + 1)
         finally:
             self.open.discard(id(obj))
         flat.adapters.append((path, node))
         flat.used.add(adapter)
-        more = getattr(adapter, "frameworks", None)
-        if more is not None:  # (a framework one adapter captures for another: Keras on TF)
-            flat.used.update(more(obj))
-        tag = getattr(adapter, "type_tag", None)
-        name = tag(obj) if tag is not None else None
+        # (a framework one adapter captures for another: Keras on TF)
+        flat.used.update(adapter.frameworks(obj))
+        name = adapter.type_tag(obj)
         return {"$o": sub, "$type": name} if name else {"$o": sub}
 
     def _container(self, obj: Any, path: str, parent: Any, key: Any, depth: int) -> Any:

@@ -211,8 +211,8 @@ def test_cuda_tensors_round_trip_through_pinned_staging(manager):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staging_hook_page_locks():
-    from pitstop.adapters.registry import staging_hooks
     from pitstop.adapters.torch._leaf import pin_staging
+    from pitstop.core.adapter import staging_hooks
     assert pin_staging in staging_hooks
     torch.zeros(1, device="cuda")  # CUDA in use
     buf = np.zeros(1 << 20, np.uint8)

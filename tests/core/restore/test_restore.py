@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.adapters.registry import _adapters, register_adapter
+from pitstop.core.adapter import register_adapter, unregister_adapter
 from pitstop.core.directory.names import step_name
 from pitstop.core.tree import ArraySpec
 
@@ -184,7 +184,7 @@ def box_adapter():
     adapter = BoxAdapter()
     register_adapter(adapter)
     yield adapter
-    _adapters.remove(adapter)
+    unregister_adapter(adapter)
 
 
 def test_an_adapter_that_refuses_stops_the_restore_before_any_byte_is_written(
@@ -643,7 +643,7 @@ def test_replaceable_entries_are_handed_to_apply_fresh_instead_of_refused(tmp_pa
             with pytest.raises(pitstop.IncompatibleTargetError, match="'obs/scale'"):
                 mgr.restore(other)
     finally:
-        _adapters.remove(adapter)
+        unregister_adapter(adapter)
 
 
 def test_string_digit_keys_go_back_under_the_int_keys_the_live_dict_has(tmp_path):
