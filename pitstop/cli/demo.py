@@ -180,10 +180,12 @@ def _drop_memory_tier(ckpt: str) -> None:
     took it over) would otherwise outlive the directory it belongs to."""
     if not os.path.isdir(os.path.join(ckpt, ".pitstop")):
         return
-    from pitstop.cli import main
-    with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        main(["gc", "--drop-recoverable", ckpt])
+    from pitstop.cli.commands.gc import cmd_gc  # (`pitstop gc --drop-recoverable CKPT`)
+    args = argparse.Namespace(dir=ckpt, storage_option=[], dry_run=False, memory_tier=None,
+                              drop_recoverable=True)
+    with contextlib.suppress(Exception, KeyboardInterrupt), \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        cmd_gc(args)
 
 
 class _Stopped(KeyboardInterrupt):

@@ -190,7 +190,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``pitstop run``: supervise ``args.command``; returns the exit status."""
-    from pitstop.cli import CliError
+    from pitstop.cli.common import CliError
 
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -276,7 +276,7 @@ def newest_step(directory: str | None) -> int | None:
     if directory is None:
         return UNKNOWN
     try:
-        from pitstop.cli import _open, _scan
+        from pitstop.cli.common import _open, _scan
 
         if not is_url(directory) and not os.path.lexists(directory):
             return None  # the job has not made it yet
