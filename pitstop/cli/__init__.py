@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     _ensure_example(sub.choices["demo"], "pitstop demo")
     from pitstop.cli import convert, diff  # pitstop diff, export, import
-    from pitstop.cli import run as _run
+    from pitstop.cli import run_args as _run
 
     _run.add_parser(sub)
     diff.add_parser(sub)
