@@ -55,7 +55,15 @@ import contextlib
 import os
 import sys
 
-from pitstop.cli.common import CORRUPT, ERROR, ArgumentParser, CliError, _one_line, _why, human_size
+from pitstop.cli.common import (
+    CORRUPT,
+    ERROR,
+    ArgumentParser,
+    CliError,
+    _one_line,
+    _why,
+    human_size,
+)
 from pitstop.core.errors import CheckpointError, CorruptCheckpointError
 
 #: the status of a command whose reader closed the pipe (128 + SIGPIPE, as a shell reports it)
