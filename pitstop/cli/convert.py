@@ -107,7 +107,7 @@ def add_parsers(sub: Any) -> None:
 # ====================================================================== small helpers
 def _cli() -> Any:
     """The ``pitstop.cli`` package (its helpers), imported when first needed."""
-    from pitstop import cli
+    from pitstop.cli import common as cli
     return cli
 
 

@@ -37,6 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from pitstop.cli.watched import Watched
+from pitstop.core.directory.names import DEFAULT
+
 FRAMEWORKS = ("torch", "numpy", "tf", "keras", "jax")
 #: framework -> (module it needs, the pitstop extra that installs it)
 _NEEDS = {
@@ -45,18 +48,6 @@ _NEEDS = {
     "tf": ("tensorflow", "tf"),
     "keras": ("keras", "keras"),
     "jax": ("jax", "jax"),
-}
-#: every child runs single-threaded: bitwise reproducible, and kind to a shared machine
-_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TF_NUM_INTEROP_THREADS": "1",
-    "TF_NUM_INTRAOP_THREADS": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "TF_ENABLE_ONEDNN_OPTS": "0",
-    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-    "PYTHONUNBUFFERED": "1",
 }
 #: per framework: default steps and checkpoint interval (the slow-to-import ones train less)
 _DEFAULTS = {"torch": (300, 25), "numpy": (200, 20), "tf": (150, 15), "keras": (150, 15),
@@ -180,10 +171,12 @@ def _drop_memory_tier(ckpt: str) -> None:
     took it over) would otherwise outlive the directory it belongs to."""
     if not os.path.isdir(os.path.join(ckpt, ".pitstop")):
         return
-    from pitstop.cli import main
-    with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        main(["gc", "--drop-recoverable", ckpt])
+    from pitstop.cli.commands.gc import cmd_gc  # (`pitstop gc --drop-recoverable CKPT`)
+    args = argparse.Namespace(dir=ckpt, storage_option=[], dry_run=False, memory_tier=None,
+                              drop_recoverable=True)
+    with contextlib.suppress(Exception, KeyboardInterrupt), \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        cmd_gc(args)
 
 
 class _Stopped(KeyboardInterrupt):
@@ -321,66 +314,6 @@ class ChildRun:
 
 
 # ====================================================================== the demo side
-class _Watched:
-    """A process whose stdout (the child's report lines) and stderr are read on threads."""
-
-    def __init__(self, cmd: list[str], on_err: Callable[[str], None] | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, **_ENV})
-        self.pids: list[int] = []
-        self.restored: list[int | None] = []
-        #: per process (pid): the last step it reported finished
-        self.last_step: dict[int, int] = {}
-        self.saves: list[tuple[int, float, float]] = []
-        self.done = False
-        self.err_lines: list[str] = []
-        self._on_err = on_err
-        self._threads = [threading.Thread(target=self._read, daemon=True),
-                         threading.Thread(target=self._read_err, daemon=True)]
-        for t in self._threads:
-            t.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            kind, _, rest = line.strip().partition(" ")
-            try:
-                if kind == "pid":
-                    self.pids.append(int(rest))
-                elif kind == "step" and self.pids:
-                    self.last_step[self.pids[-1]] = int(rest)
-                elif kind == "restored":
-                    self.restored.append(None if rest == "None" else int(rest))
-                elif kind == "save":
-                    s, a, b = rest.split()
-                    self.saves.append((int(s), float(a), float(b)))
-                elif kind == "done":
-                    self.done = True
-            except ValueError:
-                pass  # a line of the framework's own, not a report
-
-    def _read_err(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.err_lines.append(line)
-            if self._on_err is not None:
-                self._on_err(line)
-
-    def wait(self, timeout: float = 300) -> int:
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        # the report lines are all in the pipe once the process exited; on a busy machine the
-        # reader threads may need a while to drain them (a leftover holding the pipe open is
-        # the only reason to give up, hence a bound)
-        for t in self._threads:
-            t.join(60)
-        return rc
-
-    def tail(self) -> str:
-        return "".join(self.err_lines)[-4000:]
 
 
 def _child_cmd(framework: str, directory: str, out: str, args: argparse.Namespace,
@@ -403,15 +336,14 @@ def _committed(directory: str) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted(
-        int(n[5:])
+        step
         for n in names
-        if n.startswith("step_")
-        and n[5:].isdigit()
+        if (step := DEFAULT.parse(n)) is not None
         and os.path.isfile(os.path.join(directory, n, "manifest.json"))
     )
 
 
-def _fail(proc: _Watched, what: str) -> int:
+def _fail(proc: Watched, what: str) -> int:
     print(f"pitstop demo: {what}", file=sys.stderr)
     tail = proc.tail()
     if tail:
@@ -457,15 +389,15 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     # side by side: each is single-threaded, and this machine has cores for both
     print("1. reference run: the same training, uninterrupted, without checkpoints "
           "(runs alongside 2.)")
-    ref: _Watched | None = None
-    sup: _Watched | None = None
+    ref: Watched | None = None
+    sup: Watched | None = None
     try:  # (from the first start: a signal may come while the second starts)
         with _holding_signals():
-            ref = _Watched(_child_cmd(fw, os.path.join(work, "unused"), ref_out, args,
+            ref = Watched(_child_cmd(fw, os.path.join(work, "unused"), ref_out, args,
                                       checkpoint=False))
         print(f"2. the run with pitstop: {shown}", flush=True)
         with _holding_signals():
-            sup = _Watched(cmd, on_err=relay)
+            sup = Watched(cmd, on_err=relay)
         return _supervised(args, trainer, ckpt, ref, sup, kill_after, announced, ref_out,
                            run_out, run_dir, keep, t0)
     finally:
@@ -505,8 +437,8 @@ def _alive(pid: int) -> bool:
     return not os.path.isdir("/proc")  # (/proc said it is gone)
 
 
-def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: _Watched,
-                sup: _Watched, kill_after: int, announced: threading.Event, ref_out: str,
+def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: Watched,
+                sup: Watched, kill_after: int, announced: threading.Event, ref_out: str,
                 run_out: str, run_dir: str, keep: bool, t0: float) -> int:
     """From the start of both runs to the verdict."""
     deadline = time.monotonic() + 300

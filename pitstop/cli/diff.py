@@ -236,7 +236,7 @@ def _value_text(v: Any) -> str:
 
 
 def _steps(args: argparse.Namespace) -> tuple[int | None, int | None]:
-    from pitstop.cli import CliError
+    from pitstop.cli.common import CliError
     one = args.b is None
     if len(args.step) > 2:
         raise CliError("--step is given at most twice (the step of A, then of B)")
@@ -257,7 +257,7 @@ def _open_side(path: str, step: int | None, label: str, newest: int = 0) -> Side
     """The checkpoint ``path`` names (``newest``: 1 for the one before the newest)."""
     import contextlib
 
-    from pitstop.cli import CliError, _checked, _lease, _locate, _pick_live, _reader, _scan
+    from pitstop.cli.common import CliError, _checked, _lease, _locate, _pick_live, _reader, _scan
     storage, want = _locate(path, step, None, "diff")
     if newest and want is not None:
         raise CliError(f"{path} is one checkpoint (step {want}): give B, the checkpoint to "
@@ -374,7 +374,7 @@ def _compare_streamed(a: Side, b: Side, key: str, ea: ArrayEntry, eb: ArrayEntry
     """:func:`compare_arrays` of two plain arrays read :data:`CHUNK` elements at a time
     from both checkpoints, each side's hash checked once its last chunk is read (a
     mismatch is an error: nothing is reported of a checkpoint whose bytes changed)."""
-    from pitstop.cli import CliError, _failure
+    from pitstop.cli.common import CliError, _failure
     dt = decode_dtype(ea.dtype)
     n = math.prod(ea.shape)
     total = ArrayDiff()
@@ -407,7 +407,7 @@ def _compare_streamed(a: Side, b: Side, key: str, ea: ArrayEntry, eb: ArrayEntry
 
 
 def _read(side: Side, key: str, entry: ArrayEntry) -> np.ndarray:
-    from pitstop.cli import CliError, _failure
+    from pitstop.cli.common import CliError, _failure
     try:
         return side.reader.read_array(key, entry)
     except MemoryError:
@@ -427,7 +427,7 @@ def _num(x: float | None) -> str:
 
 
 def _context(side: Side) -> str:
-    from pitstop.cli import _metric_text
+    from pitstop.cli.common import _metric_text
     m = side.manifest
     world = f", {m.world} ranks (each rank's own state compared)" if m.world > 1 else ""
     return (f"{side.label}: {side.where} (step {m.step}, {len(m.arrays)} arrays, "
@@ -436,7 +436,7 @@ def _context(side: Side) -> str:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """``pitstop diff``: exit 0 identical, 1 they differ, 2 an error."""
-    from pitstop.cli import CliError, _encryption, _one_line, _shown
+    from pitstop.cli.common import CliError, _encryption, _one_line, _shown
     for name in ("atol", "rtol"):
         v = getattr(args, name)
         if v is not None and not (v >= 0 and math.isfinite(v)):

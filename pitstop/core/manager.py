@@ -46,18 +46,18 @@ from pitstop.core.arguments import (
     wrap_os,
 )
 from pitstop.core.arguments import check_encryption as check_encryption_arg
-from pitstop.core.directory.catalog import (
-    Catalog,
+from pitstop.core.directory.catalog import Catalog
+from pitstop.core.directory.identity import (
     check_encryption,
     create_identity,
     directory_kind,
     last_seq,
     read_identity,
-    record_retention,
     resolve_naming,
 )
 from pitstop.core.directory.names import Naming, step_name
 from pitstop.core.directory.recovery import Recovered, discard, recover, recoverable_steps
+from pitstop.core.directory.retention import record_retention
 from pitstop.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -912,7 +912,7 @@ def test_gc_help_says_what_it_deletes_and_what_never(capsys):
 
 
 def test_names_come_from_core():
-    import pitstop.cli as cli
+    import pitstop.cli.common as cli
     from pitstop.core.directory import names
 
     assert cli.Naming is names.Naming and cli.DEFAULT is names.DEFAULT

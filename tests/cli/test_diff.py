@@ -159,7 +159,7 @@ def test_encrypted_needs_the_key(tmp_path, capsys, monkeypatch, with_key):
     monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
     _save(tmp_path / "e", 1, _state(), encryption=pitstop.Encryption())
     _save(tmp_path / "p", 1, _state())
-    import pitstop.cli as cli
+    import pitstop.cli.common as cli
     monkeypatch.setattr(cli, "_KEY", [])
     if not with_key:
         monkeypatch.delenv("PITSTOP_ENCRYPTION_KEY")

@@ -228,7 +228,7 @@ def test_import_into_an_encrypted_directory_without_the_key(tmp_path, capsys, mo
     """`pitstop import m.npz runs/enc` without PITSTOP_ENCRYPTION_KEY answered "set
     PITSTOP_ENCRYPTION_KEY to its key and pass encryption=pitstop.Encryption() to read it":
     the second half is for code; the command needs the variable only."""
-    import pitstop.cli as cli
+    import pitstop.cli.common as cli
     monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
     _save(tmp_path / "enc", 1, {"w": np.ones(2)}, encryption=pitstop.Encryption())
     np.savez(tmp_path / "m.npz", w=np.zeros(2))
@@ -325,7 +325,7 @@ def test_import_into_an_encrypted_bucket_with_its_key(tmp_path, capsys, monkeypa
     PITSTOP_ENCRYPTION_KEY to its key", because the npz/safetensors import looked for the
     directory's key on local paths only (a torch.save import of the same worked).
     (``bucket``: a new bucket on the session's S3 test server, its environment set.)"""
-    import pitstop.cli as cli
+    import pitstop.cli.common as cli
     monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
     monkeypatch.setattr(cli, "_KEY", [])
     url = f"s3://{bucket}/enc"

@@ -344,7 +344,7 @@ class MemoryTier:
         """This directory's tier files (also those written under a path it was moved from):
         only names the tier itself makes."""
         out = [p for p in glob.glob(f"{glob.escape(self.prefix)}-*")
-               if _FILE.match(p[len(self.prefix):]) and self._own(p)]
+               if FILE_NAME.match(p[len(self.prefix):]) and self._own(p)]
         for meta_path in self._descriptions():
             if not meta_path.startswith(self.prefix + "-"):
                 base = meta_path[: -len(".json")]
@@ -370,8 +370,9 @@ class MemoryTier:
 
 
 _SLOT = re.compile(r"^-\d+\.json$")
-#: every file name the tier makes below its prefix (buffer, description, its temporary)
-_FILE = re.compile(r"^-\d+\.(buf|json|json\.tmp)$")
+#: every file name the tier makes below its prefix (buffer, description, its temporary):
+#: ``-<slot>.buf``, ``-<slot>.json``, ``-<slot>.json.tmp`` (groups: the slot, the kind)
+FILE_NAME = re.compile(r"^-(\d+)\.(buf|json|json\.tmp)$")
 
 
 def _is_url(location: str) -> bool:
