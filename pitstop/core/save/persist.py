@@ -73,6 +73,17 @@ class PersistJob:
 
 
 
+@dataclass
+class Times:
+    """When the stages of one persist began and ended (``time.perf_counter``): the parts of
+    its :class:`~pitstop.core.save.handles.SaveStats`."""
+
+    start: float = field(default_factory=time.perf_counter)
+    hashed: float = 0.0
+    write: float = 0.0
+    written: float = 0.0
+
+
 class SaveSkipped(CheckpointError):
     """The save was deliberately not committed (non-finite guard)."""
 
@@ -108,13 +119,15 @@ class Persist(DataFiles, Incremental):
             return []
 
     def _persist(self, job: PersistJob, name: str) -> Manifest:
+        """One process's save: hash (or hash while writing), reference what is unchanged,
+        write, manifest, publish, committed."""
         buf = job.buffer
         assert buf is not None
         layout = buf.layout
         hook = self.hooks.get("before_persist")
         if hook is not None:
             hook(job.step)
-        t0 = time.perf_counter()
+        times = Times()
         # 1. hash (and check finiteness) in parallel; byte-balanced groups become the data files
         groups = layout.groups()
         # plain bytes without a memory-tier copy to seal first: each array is hashed while
@@ -139,19 +152,14 @@ class Persist(DataFiles, Incremental):
             same = self._unchanged(job.step, layout, hashes) if self.incremental else {}
             if same:
                 groups = [[i for i in g if layout.keys[i] not in same] for g in groups]
-        t_hashed = time.perf_counter()
+        times.hashed = time.perf_counter()
         # 3. write data files in parallel, then the manifest last, then publish atomically
         txn = self.storage.begin(name)
         try:
-            t_write = time.perf_counter()
-            record, cipher = self.encryption.new_save(self.directory_id, job.step,
-                                                      seq=self._next_seq()) \
-                if self.encryption is not None else (None, None)
-            results = self._map_all(
-                lambda ig: self._write_group(txn, buf, ig[0], ig[1], hashes, cipher=cipher,
-                                             hash_while_writing=fused),
-                enumerate(groups))
-            t_written = time.perf_counter()
+            times.write = time.perf_counter()
+            record, cipher = self._new_cipher(job.step)
+            results = self._write_all(txn, buf, groups, hashes, cipher, fused=fused)
+            times.written = time.perf_counter()
             manifest = self._manifest(job, job.structure, job.values)
             manifest.encryption = record
             for fname, length, entries in results:
@@ -164,14 +172,7 @@ class Persist(DataFiles, Incremental):
             pieces = manifest.arrays
             if layout.sharded:
                 manifest.arrays = group_pieces(manifest.arrays)
-            hook = self.hooks.get("before_commit")
-            if hook is not None:
-                hook(job.step)
-            self._lazy_check(job)
-            verify = getattr(self.storage, "verify_held", None)
-            if verify is not None:
-                verify()  # the directory is still the one this writer locked
-            txn.commit(manifest.to_bytes(self.encryption))
+            self._publish(txn, job, manifest.to_bytes(self.encryption), check_lazy=True)
         except BaseException:
             txn.abort()
             raise
@@ -180,6 +181,17 @@ class Persist(DataFiles, Incremental):
         hook = self.hooks.get("after_commit")
         if hook is not None:
             hook(job.step)
+        self._keep_staged(job, name, groups, results)
+        self._committed(job, txn.location, times)
+        return manifest
+
+    def _keep_staged(self, job: PersistJob, name: str, groups: list[list[int]],
+                     results: list[tuple[str | None, int, dict[str, ArrayEntry]]]) -> None:
+        """After a one-process commit: remember the staging buffer it was written from,
+        when each data file is a plain copy of one region of it (see ``hold_staged``)."""
+        buf = job.buffer
+        assert buf is not None
+        layout = buf.layout
         if self.compression in (None, "none") and self.encryption is None and \
                 job.release_buffer and not layout.sharded and \
                 all(len(runs_of(g)) == 1 for g in groups if g):
@@ -196,8 +208,39 @@ class Persist(DataFiles, Incremental):
                         if fname})
                 except OSError:
                     pass  # (an optimisation: restores read from disk)
-        self._committed(job, txn.location, t0, t_hashed, t_write, t_written)
-        return manifest
+
+    # --------------------------------------------- stages both persists run, in this order
+    def _new_cipher(self, step: int, save_id: str | None = None, numbered: bool = True
+                    ) -> tuple[dict[str, Any] | None, Any]:
+        """The encryption record and cipher of a new save, (None, None) when unencrypted;
+        a multi-rank save passes rank 0's ``save_id``, and only its leader numbers it."""
+        if self.encryption is None:
+            return None, None
+        return self.encryption.new_save(self.directory_id, step, save_id,
+                                        self._next_seq() if numbered else None)
+
+    def _write_all(self, txn: Any, buf: StagingBuffer, groups: list[list[int]],
+                   hashes: dict[str, str], cipher: Any, prefix: str = "", fused: bool = False
+                   ) -> list[tuple[str | None, int, dict[str, ArrayEntry]]]:
+        """Each group as one data file, the groups in parallel (see ``_write_group``)."""
+        return self._map_all(lambda ig: self._write_group(
+            txn, buf, ig[0], ig[1], hashes, prefix=prefix, cipher=cipher,
+            hash_while_writing=fused), enumerate(groups))
+
+    def _publish(self, txn: Any, job: PersistJob, data: bytes, check_lazy: bool) -> None:
+        """The manifest ``data`` written and the checkpoint published, after the
+        ``before_commit`` hook, the lazy copy's last check (``check_lazy``; a multi-rank
+        save checks it before it tells the others what it wrote) and the check that the
+        directory is still the one this writer locked."""
+        hook = self.hooks.get("before_commit")
+        if hook is not None:
+            hook(job.step)
+        if check_lazy:
+            self._lazy_check(job)
+        verify = getattr(self.storage, "verify_held", None)
+        if verify is not None:
+            verify()  # the directory is still the one this writer locked
+        txn.commit(data)
 
 
     def _next_seq(self) -> int:
@@ -285,16 +328,16 @@ class Persist(DataFiles, Incremental):
     def _lazy_off(self) -> None:
         self.lazy = False  # (the save's error says so: one message, not two)
 
-    def _committed(self, job: PersistJob, location: str, t0: float, t_hashed: float,
-                   t_write: float, t_written: float) -> None:
+    def _committed(self, job: PersistJob, location: str, times: Times) -> None:
+        """The save's figures and the memory tier told: the last stage of either persist."""
         buf = job.buffer
         assert buf is not None
         t1 = time.perf_counter()
         stats = job.handle.stats
-        stats.persist_s = t1 - t0
-        stats.hash_s = t_hashed - t0
-        stats.write_s = t_written - t_write
-        stats.commit_s = t1 - t_written
+        stats.persist_s = t1 - times.start
+        stats.hash_s = times.hashed - times.start
+        stats.write_s = times.written - times.write
+        stats.commit_s = t1 - times.written
         stats.total_s = t1 - job.t_start + stats.stall_s
         stats.committed = True
         stats.path = location
