@@ -11,6 +11,11 @@ if nobody waited on it, at the manager's next call that saves or waits.
 The engine's threads are its own daemon threads (:class:`Workers`), not a
 ``ThreadPoolExecutor``: at interpreter exit the executors refuse new work before ``atexit``
 runs, and pitstop commits the saves it accepted from ``atexit`` (see the manager).
+
+This module holds the engine's lifecycle (queue, persist thread, errors, close); its parts
+live beside it: the snapshot copy in :mod:`~pitstop.core.save.copying`, the persist stages in
+:mod:`~pitstop.core.save.persist` (data files: :mod:`~pitstop.core.save.writing`, incremental
+references: :mod:`~pitstop.core.save.incremental`, multi-rank: :mod:`~pitstop.core.save.world`).
 """
 
 from __future__ import annotations
