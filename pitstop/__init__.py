@@ -38,7 +38,7 @@ from pitstop.core.policy import (
     OnSteps,
 )
 from pitstop.core.runtime.coordination import CoordinationError
-from pitstop.core.save.engine import SaveHandle, SaveStats
+from pitstop.core.save.handles import SaveHandle, SaveStats
 
 __all__ = [
     "CheckpointManager", "SaveHandle", "SaveStats", "RNG", "Encryption", "EncryptionKeyError",

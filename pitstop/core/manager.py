@@ -98,9 +98,11 @@ from pitstop.core.runtime.signals import (
     signal_name,
 )
 from pitstop.core.save import memtier as memtier_mod
-from pitstop.core.save.engine import Engine, PersistJob, SaveHandle, SaveStats, check_timeout
+from pitstop.core.save.engine import Engine
+from pitstop.core.save.handles import SaveHandle, SaveStats, check_timeout
 from pitstop.core.save.lazy import fence_all
 from pitstop.core.save.memtier import MemoryTier
+from pitstop.core.save.persist import PersistJob
 from pitstop.core.save.skips import SkippedSaves
 from pitstop.core.save.snapshot import StagingPool
 from pitstop.core.storage import Storage

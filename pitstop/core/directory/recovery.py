@@ -16,8 +16,10 @@ from typing import Any
 from pitstop.core.errors import CheckpointError
 from pitstop.core.format.schema import SHARD_MARK, ArrayEntry, Manifest, group_pieces
 from pitstop.core.restore.read import CheckpointReader
-from pitstop.core.save.engine import Engine, PersistJob, SaveHandle, SaveStats, buffer_is_finite
+from pitstop.core.save.engine import Engine
+from pitstop.core.save.handles import SaveHandle, SaveStats
 from pitstop.core.save.memtier import MemoryTier, malformed
+from pitstop.core.save.persist import PersistJob, buffer_is_finite
 from pitstop.core.save.snapshot import StagingBuffer, StagingPool
 from pitstop.core.tree import decode_value
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pitstop.core.errors import CheckpointError
+from pitstop.core.save.threads import wait_event
 
 #: arrays smaller than this are copied at save() even when lazy-safe (a background copy of
 #: a few bytes costs more in bookkeeping than it saves)
@@ -160,7 +161,6 @@ class LazyCopy:
                 hook(self.step)
             if self.started.is_set():
                 self.run()  # help: copy what is left on this thread too
-            from pitstop.core.save.engine import wait_event
             wait_event(self.done)
             waited = time.perf_counter() - t0
             self.fence_wait_s += waited

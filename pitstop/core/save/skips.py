@@ -109,10 +109,11 @@ class SkippedSaves:
                 return
             if self._base is None:
                 old = doc.get("skipped")
-                ok = isinstance(old, dict) and isinstance(old.get("count"), int) and \
-                    isinstance(old.get("steps"), list)
-                self._base = (old["count"], [s for s in old["steps"] if isinstance(s, int)]) \
-                    if ok else (0, [])
+                if isinstance(old, dict) and isinstance(old.get("count"), int) and \
+                        isinstance(old.get("steps"), list):
+                    self._base = (old["count"], [s for s in old["steps"] if isinstance(s, int)])
+                else:
+                    self._base = (0, [])
             base_n, base_steps = self._base
             doc["skipped"] = {"count": base_n + count, "reason": REASON,
                               "steps": (base_steps + steps)[-RECORDED_STEPS:],

@@ -22,6 +22,7 @@ import numpy as np
 from pitstop.core.errors import CheckpointError
 from pitstop.core.format.dtypes import encode_dtype
 from pitstop.core.format.schema import SHARD_MARK
+from pitstop.core.save.shmfiles import create_owned, untrusted_file
 from pitstop.core.tree import ArrayLeaf
 
 log = logging.getLogger("pitstop")
@@ -107,7 +108,6 @@ class StagingBuffer:
         if shm_path is not None:
             # a memory-tier file in a directory every user shares (/dev/shm): made new,
             # owner-only, never through a symlink; attached only when this user owns it
-            from pitstop.core.save.memtier import create_owned, untrusted_file
             if attach:
                 fd = os.open(shm_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             else:

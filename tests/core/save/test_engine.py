@@ -547,7 +547,7 @@ def test_exception_in_with_block_commits_last_snapshot_first(tmp_path, exc):
 def test_parallel_snapshot_copy_is_exact_for_every_layout(tmp_path):
     # above PARALLEL_COPY_MIN the snapshot copies on several threads, cutting large
     # contiguous arrays into chunks: every layout must still land exactly
-    from pitstop.core.save.engine import COPY_CHUNK, PARALLEL_COPY_MIN
+    from pitstop.core.save.copying import COPY_CHUNK, PARALLEL_COPY_MIN
     rng = np.random.default_rng(7)
     n = (COPY_CHUNK * 2 + 12345) // 8
     state = {
@@ -581,12 +581,12 @@ def test_hashes_taken_while_writing_match_whole_array_hashes(tmp_path, monkeypat
     """Without a memory-tier copy to seal first, each array is hashed chunk by chunk as its
     data file is written: arrays across chunk boundaries, empty arrays (also last), many
     arrays in one chunk. The manifest's hashes are those of the whole arrays either way."""
-    from pitstop.core.save import engine as engine_mod
-    from pitstop.core.save.engine import hash_chunks
-    monkeypatch.setattr(engine_mod, "WRITE_CHUNK", 8192)
-    monkeypatch.setattr(engine_mod, "HASH_CHUNK", 3000)
+    from pitstop.core.save import writing
+    from pitstop.core.save.writing import hash_chunks
+    monkeypatch.setattr(writing, "WRITE_CHUNK", 8192)
+    monkeypatch.setattr(writing, "HASH_CHUNK", 3000)
     runs = []
-    monkeypatch.setattr(engine_mod, "_RunHasher", lambda *a, _c=engine_mod._RunHasher:
+    monkeypatch.setattr(writing, "_RunHasher", lambda *a, _c=writing._RunHasher:
                         runs.append(a) or _c(*a))
     rng = np.random.default_rng(7)
     state = {"a": rng.standard_normal(5000).astype(np.float32),  # 20000 B: 3 chunks
