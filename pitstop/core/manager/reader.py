@@ -36,6 +36,7 @@ from pitstop.core.format.manifest import Manifest
 from pitstop.core.manager.options import ManagerOptions
 from pitstop.core.restore.read import CheckpointReader, RestoreReport
 from pitstop.core.runtime import supervised
+from pitstop.core.save.lazy import fence_all
 from pitstop.core.storage import Storage
 from pitstop.core.storage.staged import StagedStorage
 from pitstop.core.tree import FlatState, flatten
@@ -241,6 +242,7 @@ class DirectoryReader:
                       ) -> tuple[int | None, RestoreReport | None, FlatState]:
         """The checkpoint of ``step`` (the newest valid one for None) put into ``state``;
         ``detached``: a state made for ``load(target=...)`` (the new root: ``flat.root``)."""
+        fence_all()  # a lazy copy must read the state before the restore writes it
         with _no_gc():
             flat = wrap_os(flatten, self.directory, state, self._resolve)
             flat.detached = detached
