@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pitstop.core.errors import CheckpointNotFoundError, CheckpointWriteError
-from pitstop.core.manager import CheckpointManager
+from pitstop.core.manager import DirectoryReader
 from pitstop.core.tree import select
 
 
@@ -16,7 +16,7 @@ def read_step(directory: str | os.PathLike[str], step: int | None, key: str | No
               ) -> tuple[int, Any]:
     """``(step, tree)``: pitstop step ``step`` of ``directory`` (the newest for None) as a
     plain tree, or its subtree at key path ``key``; read without taking the writer's lock."""
-    mgr = CheckpointManager(directory, read_only=True, save_on_signals=None)
+    mgr = DirectoryReader(directory)
     try:
         if step is None:
             step = mgr.latest_step()

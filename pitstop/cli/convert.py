@@ -636,10 +636,10 @@ def _refuse_existing(dest: str, step: int | None) -> Any:
     """Raise StepExistsError when ``dest`` has ``step``; returns the key of an encrypted
     ``dest`` (from PITSTOP_ENCRYPTION_KEY), so the import is encrypted as its checkpoints."""
     from pitstop.core.errors import StepExistsError
-    from pitstop.core.manager import CheckpointManager
+    from pitstop.core.manager import DirectoryReader
     if "://" not in dest and not os.path.isdir(dest):
         return None  # (a URL's directory is looked up in its store)
-    mgr = CheckpointManager(dest, read_only=True, save_on_signals=None)
+    mgr = DirectoryReader(dest)
     try:
         exists = step in mgr.all_steps()
         key = mgr.encryption

@@ -66,7 +66,7 @@ from pitstop.core.errors import (
     StepExistsError,
     UnsupportedStateError,
 )
-from pitstop.core.manager import CheckpointManager
+from pitstop.core.manager import CheckpointManager, DirectoryReader
 from pitstop.core.tree import join
 
 __all__ = ["import_orbax", "export_orbax"]
@@ -624,7 +624,7 @@ def _to_orbax(obj: Any, path: str = "", tuples: bool = True) -> Any:
 def _jax_saved(pitstop_dir: PathLike, step: int) -> bool:
     """Whether JAX's adapter captured (part of) the state of ``step``: its tuples may then
     be namedtuples (an older pitstop that recorded no frameworks counts as JAX too)."""
-    mgr = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None)
+    mgr = DirectoryReader(pitstop_dir)
     try:
         frameworks = mgr.metadata(step).writer.get("frameworks")
     finally:
@@ -674,7 +674,7 @@ def export_orbax(pitstop_dir: PathLike, step: int | None, orbax_dir: PathLike, *
             raise InvalidArgumentError(
                 "export_orbax: pass key= or target=, not both (target= describes the whole "
                 "saved state)")
-        reader = CheckpointManager(pitstop_dir, read_only=True, save_on_signals=None)
+        reader = DirectoryReader(pitstop_dir)
         try:
             step = None if step is None else step_arg(step)
             if step is None:
