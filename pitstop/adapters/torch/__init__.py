@@ -35,13 +35,9 @@ from pitstop.adapters.torch._adapter import (
 from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
 from pitstop.adapters.torch._workers import worker_death_hint
-from pitstop.adapters.torch.convert import (
-    export_safetensors,
-    export_torch_save,
-    import_dcp,
-    import_torch_save,
-)
 from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
+from pitstop.interop.dcp import import_dcp
+from pitstop.interop.torch_save import export_safetensors, export_torch_save, import_torch_save
 
 for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter(),
                  SamplerAdapter()):

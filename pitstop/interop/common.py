@@ -1,15 +1,18 @@
-"""What the export helpers of every framework share (torch.save / safetensors, Orbax)."""
+"""What the converters of every foreign format share: reading one pitstop step as a plain
+tree, writing an exported file atomically, and saving an imported tree as a committed step."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from pitstop.core.errors import CheckpointNotFoundError, CheckpointWriteError
+from pitstop.core.errors import CheckpointNotFoundError, CheckpointWriteError, StepExistsError
 from pitstop.core.manager import CheckpointManager
 from pitstop.core.tree import select
+
+PathLike = str | os.PathLike[str]
 
 
 def read_step(directory: str | os.PathLike[str], step: int | None, key: str | None
@@ -52,3 +55,37 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
             raise CheckpointWriteError(f"{path}: cannot write it ({e.strerror or e})",
                                        path=path) from e
         raise
+
+
+def write_import(state: Any, directory: PathLike, step: int,
+                 metrics: Mapping[str, Any] | None, encryption: Any = None) -> int:
+    """Save ``state`` (numpy + values) as committed step ``step``; returns the step.
+    ``encryption``: the key of an encrypted directory (:func:`refuse_existing` finds it)."""
+    # not ``with CheckpointManager(...)``: its __exit__ reports an exception as one "during
+    # training", which an import is not
+    mgr = CheckpointManager(directory, async_save=False, save_on_signals=None,
+                            memory_tier=False, encryption=encryption)
+    try:
+        mgr.save(step, state, metrics).wait()
+    finally:
+        mgr.close()
+    return step
+
+
+def refuse_existing(directory: PathLike, step: int) -> Any:
+    """Raise StepExistsError before reading a (possibly large) file to import; returns the
+    key of an encrypted directory (from PITSTOP_ENCRYPTION_KEY, as a reader takes it; None
+    for a plaintext one), so the import is encrypted like the directory's checkpoints."""
+    mgr = CheckpointManager(directory, read_only=True, save_on_signals=None)
+    try:
+        exists = step in mgr.all_steps()
+        where = mgr.directory
+        key = mgr.encryption
+    finally:
+        mgr.close()
+    if exists:
+        raise StepExistsError(
+            f"{where} already has a checkpoint of step {step}; pitstop never overwrites one. "
+            "Import under another step (step=...) or into another directory, or delete that "
+            "checkpoint first.")
+    return key
