@@ -19,6 +19,8 @@ adapter registry the first time a torch object shows up in a state.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pitstop.adapters.registry import exception_hints, register_adapter, staging_hooks
 from pitstop.adapters.rng import register_rng_provider
 from pitstop.adapters.torch import _rng
@@ -36,8 +38,6 @@ from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, t
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
 from pitstop.adapters.torch._workers import worker_death_hint
 from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
-from pitstop.interop.dcp import import_dcp
-from pitstop.interop.torch_save import export_safetensors, export_torch_save, import_torch_save
 
 for _adapter in (TensorAdapter(), ModuleAdapter(), OptimizerAdapter(), GeneratorAdapter(),
                  SamplerAdapter()):
@@ -55,3 +55,17 @@ __all__ = ["ResumableSampler", "ResumableLoader", "TensorLeaf", "unwrap_module",
            "numpy_dtype", "torch_dtype",
            "import_torch_save", "import_dcp", "export_torch_save", "export_safetensors",
            "ProcessGroupCoordinator"]
+
+
+def __getattr__(name: str) -> Any:
+    # the converters (pitstop.interop) are imported by those who convert; eagerly they would
+    # make a cycle: pitstop.interop.torch_save reads this package's key rules (_adapter)
+    if name == "import_dcp":
+        from pitstop.interop.dcp import import_dcp
+
+        return import_dcp
+    if name in ("import_torch_save", "export_torch_save", "export_safetensors"):
+        from pitstop.interop import torch_save
+
+        return getattr(torch_save, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
