@@ -3,7 +3,8 @@
 ``import_orbax`` turns the committed checkpoints that Orbax wrote in a directory into pitstop
 checkpoints (one per Orbax step, same step numbers); ``export_orbax`` writes one pitstop
 checkpoint back out as an Orbax checkpoint that Orbax's own ``CheckpointManager`` and
-``StandardCheckpointer`` restore.
+``StandardCheckpointer`` restore (:mod:`pitstop.interop.orbax_export`; this module holds the
+import and what both share).
 
 These are explicit, one-off migration helpers, run in one process. They read and write
 through Orbax's own API (``orbax-checkpoint`` must be installed), so the layouts are exactly
