@@ -214,9 +214,10 @@ def group_torch(work: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from pitstop.adapters.torch import convert
+    from pitstop.interop import dcp as dcp_import
+    from pitstop.interop import torch_save
 
-    ALLOWED.add(convert._DCPMetadataUnpickler)
+    ALLOWED.add(dcp_import._DCPMetadataUnpickler)
     torch.manual_seed(0)
 
     def make() -> tuple[Any, Any]:
@@ -257,13 +258,13 @@ def group_torch(work: str) -> None:
 
     core_paths(work, fresh)
     run("memory-tier recovery", lambda: recover_from_tier(crashed))
-    run("import_torch_save", lambda: convert.import_torch_save(
+    run("import_torch_save", lambda: torch_save.import_torch_save(
         os.path.join(work, "ckpt.pt"), os.path.join(work, "imported"), 1))
-    run("import_dcp", lambda: convert.import_dcp(
+    run("import_dcp", lambda: dcp_import.import_dcp(
         os.path.join(work, "dcp"), os.path.join(work, "imported"), 2))
-    run("export_torch_save", lambda: convert.export_torch_save(
+    run("export_torch_save", lambda: torch_save.export_torch_save(
         os.path.join(work, "imported"), os.path.join(work, "out.pt"), step=2))
-    run("export_safetensors", lambda: convert.export_safetensors(
+    run("export_safetensors", lambda: torch_save.export_safetensors(
         os.path.join(work, "imported"), os.path.join(work, "out.safetensors"), step=1))
     run("torch.load(weights_only=True) of an export", lambda: torch.load(
         os.path.join(work, "out.pt"), weights_only=True))

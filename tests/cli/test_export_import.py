@@ -15,7 +15,7 @@ import pytest
 
 import pitstop
 from pitstop.cli import main
-from pitstop.cli.convert import detect
+from pitstop.interop.detect import detect
 
 
 def _state() -> dict:

@@ -36,10 +36,14 @@ register(Plugin(
 
 def __getattr__(name: str) -> Any:
     # Orbax (and the tensorstore it brings) is imported only by those who convert
-    if name in ("import_orbax", "export_orbax"):
-        from pitstop.adapters.jax import orbax
+    if name == "import_orbax":
+        from pitstop.interop.orbax import import_orbax
 
-        return getattr(orbax, name)
+        return import_orbax
+    if name == "export_orbax":
+        from pitstop.interop.orbax_export import export_orbax
+
+        return export_orbax
     if name == "JaxCoordinator":  # multi-process saves (jax.distributed)
         from pitstop.adapters.jax.distributed import JaxCoordinator
 

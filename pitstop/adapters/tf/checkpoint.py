@@ -511,7 +511,7 @@ def read_tree(path: str, runs: dict[Any, _CoreManager] | None = None) -> Any:
     """The saved tree of the checkpoint at a TensorFlow-style ``path`` (a pitstop checkpoint,
     or a native TensorFlow one: ``<prefix>.index`` beside it)."""
     if os.path.exists(path + ".index"):
-        from pitstop.adapters.tf.convert import read_native
+        from pitstop.interop.tf_native import read_native
         return read_native(path)
     directory, name, step = _split(path)
     if not name:

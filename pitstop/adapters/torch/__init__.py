@@ -19,6 +19,8 @@ adapter registry the first time a torch object shows up in a state.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pitstop.adapters.torch import _rng
 from pitstop.adapters.torch._adapter import (
     GeneratorAdapter,
@@ -34,12 +36,6 @@ from pitstop.adapters.torch._hints import DataLoaderHint
 from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
 from pitstop.adapters.torch._workers import worker_death_hint
-from pitstop.adapters.torch.convert import (
-    export_safetensors,
-    export_torch_save,
-    import_dcp,
-    import_torch_save,
-)
 from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
 from pitstop.core.adapter import Plugin, RNGProvider, register
 
@@ -57,3 +53,17 @@ __all__ = ["ResumableSampler", "ResumableLoader", "TensorLeaf", "unwrap_module",
            "numpy_dtype", "torch_dtype",
            "import_torch_save", "import_dcp", "export_torch_save", "export_safetensors",
            "ProcessGroupCoordinator"]
+
+
+def __getattr__(name: str) -> Any:
+    # the converters (pitstop.interop) are imported by those who convert; eagerly they would
+    # make a cycle: pitstop.interop.torch_save reads this package's key rules (_adapter)
+    if name == "import_dcp":
+        from pitstop.interop.dcp import import_dcp
+
+        return import_dcp
+    if name in ("import_torch_save", "export_torch_save", "export_safetensors"):
+        from pitstop.interop import torch_save
+
+        return getattr(torch_save, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import pitstop
-from pitstop.adapters.jax.orbax import export_orbax, import_orbax
+from pitstop.interop.orbax import import_orbax
+from pitstop.interop.orbax_export import export_orbax
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

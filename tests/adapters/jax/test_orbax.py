@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pitstop
-from pitstop.adapters.jax.orbax import export_orbax, import_orbax
+from pitstop.interop.orbax import import_orbax
+from pitstop.interop.orbax_export import export_orbax
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -301,7 +302,7 @@ def test_sharded_checkpoint_imports_on_one_device(tmp_path: Path) -> None:
     orbax_save(tmp_path / "ox", {1: {"x": x}})
     script = textwrap.dedent(f"""
         import jax
-        from pitstop.adapters.jax.orbax import import_orbax
+        from pitstop.interop.orbax import import_orbax
         assert jax.device_count() == 1, jax.devices()
         print(import_orbax({str(tmp_path / "ox")!r}, {str(tmp_path / "ps")!r}))
     """)

@@ -76,7 +76,7 @@ def test_tf_import_into_an_existing_run_directory_at_a_url(tmp_path):
     "names its checkpoints step_<...>, but this manager asks for ckpt-<step>": whether the
     directory was new was decided by looking for .pitstop/ on the local disk. (A memory://
     URL stands for the bucket here: the same object-store code, without a server.)"""
-    from pitstop.adapters.tf.convert import import_native
+    from pitstop.interop.tf_native import import_native
     url = "memory://tf-probe/run"
     with pitstop.CheckpointManager(url, memory_tier=False, save_on_signals=None) as mgr:
         mgr.save(1, {"w": np.ones(2)}).wait()

@@ -15,7 +15,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from pitstop.adapters.tf import Checkpoint  # noqa: E402
-from pitstop.adapters.tf.convert import read_native  # noqa: E402
+from pitstop.interop.tf_native import read_native  # noqa: E402
 
 X = tf.random.stateless_normal((8, 4), seed=(1, 2))
 Y = tf.random.stateless_normal((8, 1), seed=(1, 3))
