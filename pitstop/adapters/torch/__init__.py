@@ -23,17 +23,15 @@ from pitstop.adapters.registry import exception_hints, register_adapter, staging
 from pitstop.adapters.rng import register_rng_provider
 from pitstop.adapters.torch import _rng
 from pitstop.adapters.torch._adapter import (
-    DataLoaderHint,
-    GeneratorAdapter,
     ModuleAdapter,
     OptimizerAdapter,
-    SamplerAdapter,
     StatefulAdapter,
     TensorAdapter,
     unwrap_module,
 )
 from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch._values import DataLoaderHint, GeneratorAdapter, SamplerAdapter
 from pitstop.adapters.torch._workers import worker_death_hint
 from pitstop.adapters.torch.convert import (
     export_safetensors,
