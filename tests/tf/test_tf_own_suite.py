@@ -128,16 +128,16 @@ def pitstop_gap(reason: str):
 
 
 #: the reasons, each naming where the fix belongs
-NO_VALUE_OBJECT = ("pitstop/adapters/tf/_graph.py (Restore.check/_cannot_take): a live "
+NO_VALUE_OBJECT = ("pitstop/adapters/tf/_restore.py (Restore.check/_cannot_take): a live "
                    "object that cannot take a saved value (a bare Trackable where a variable "
                    "was saved) is refused with IncompatibleTargetError at restore(); "
                    "tf.train leaves the value unused, warns of it when the restore is "
                    "released and fails assert_consumed() with 'Unused attributes'")
-CYCLE = ("pitstop/adapters/tf/_graph.py: Outcome.matched holds the live objects strongly and "
+CYCLE = ("pitstop/adapters/tf/_restore.py: Outcome.matched holds the live objects strongly and "
          "a deferred value (_Deferred on the parent) holds the Restore, so a restore with "
          "values still deferred makes a reference cycle; tf.train keeps its matched objects "
          "in a WeakValueDictionary, so they are freed by reference counting alone")
-ONE_CALL = ("pitstop/adapters/tf/_graph.py (Restore._assign): _restore_from_tensors is called "
+ONE_CALL = ("pitstop/adapters/tf/_restore.py (Restore._assign): _restore_from_tensors is called "
             "once per saved tensor with that tensor alone; tf.train calls it once with all "
             "of the object's tensors, so an object saving two (MultiTensor) gets a KeyError")
 

@@ -39,7 +39,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.training.saving import saveable_object_util
 
 from pitstop import CheckpointManager as _CoreManager
-from pitstop.adapters.tf import _graph, _native
+from pitstop.adapters.tf import _graph, _native, _restore
 from pitstop.adapters.tf._options import call_back as _call_back
 from pitstop.adapters.tf._options import check as _options
 from pitstop.core.errors import (
@@ -224,7 +224,7 @@ class CheckpointLoadStatus:
     """What a restore matched, with tf.train's assertions (each raises ``AssertionError``
     as tf.train's does, and returns the status so calls chain)."""
 
-    def __init__(self, root: Any, restore: _graph.Restore | None, path: str | None) -> None:
+    def __init__(self, root: Any, restore: _restore.Restore | None, path: str | None) -> None:
         self._root, self._restore, self._path = root, restore, path
 
     def _live_with_values(self) -> list[tuple[tuple[str, ...], Any]]:
@@ -294,7 +294,7 @@ class CheckpointLoadStatus:
     def initialize_or_restore(self, session: Any = None) -> None:
         """Nothing to run in eager mode (kept for code written against tf.train)."""
 
-    def _need(self) -> _graph.Restore:
+    def _need(self) -> _restore.Restore:
         if self._restore is None:
             raise AssertionError("No checkpoint specified (restore(None)); nothing restored")
         return self._restore
@@ -432,7 +432,7 @@ class Checkpoint:
             return CheckpointLoadStatus(self._tf, None, None)
         path = _fspath(save_path, "save_path")
         tree = read_tree(path, self._runs)
-        r = _graph.Restore(tree, os.path.basename(path), report_unrestored=True)
+        r = _restore.Restore(tree, os.path.basename(path), report_unrestored=True)
         view = _graph_root(self._tf)
         try:
             r.check(view)
@@ -961,9 +961,9 @@ class CheckpointManager:
         view = _graph_root(self._root)
         tree = read_tree(path, {
             (os.path.abspath(self._directory), f"{self._name}-"): self._mgr})
-        r = _graph.Restore(tree, os.path.basename(path))
+        r = _restore.Restore(tree, os.path.basename(path))
         r.check(view)
-        _graph.restore_into(view, tree, os.path.basename(path), restore=r)
+        _restore.restore_into(view, tree, os.path.basename(path), restore=r)
 
     def sync(self) -> None:
         """Wait for every save to commit (raises a failed one)."""
