@@ -18,7 +18,7 @@ keras = pytest.importorskip("keras")
 from tf_helpers import X, Y, leaf_keys, same, values  # noqa: E402
 
 from pitstop.adapters.tf import Checkpoint, CheckpointManager, _graph, _restore  # noqa: E402
-from pitstop.adapters.tf.checkpoint import read_tree  # noqa: E402
+from pitstop.adapters.tf._runs import read_tree  # noqa: E402
 
 
 def native_keys(path):
