@@ -27,7 +27,8 @@ if keras.backend.backend() == "torch":
 
 register_adapter(KerasAdapter())
 
-from pitstop.adapters.keras.callbacks import BackupAndRestore, ModelCheckpoint  # noqa: E402
+from pitstop.adapters.keras.backup_and_restore import BackupAndRestore  # noqa: E402
 from pitstop.adapters.keras.files import verify_file  # noqa: E402
+from pitstop.adapters.keras.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 __all__ = ["ModelCheckpoint", "BackupAndRestore", "KerasVariableLeaf", "verify_file"]
