@@ -25,12 +25,12 @@ if keras.backend.backend() == "torch":
     # Keras adapter, registered in front of it, is the one asked about Keras objects
     from pitstop.adapters import torch as _torch  # noqa: F401
 
-from pitstop.adapters.keras.callbacks import (  # noqa: E402
+from pitstop.adapters.keras.backup_and_restore import (  # noqa: E402
     BackupAndRestore,
     FitStateAdapter,
-    ModelCheckpoint,
 )
 from pitstop.adapters.keras.files import verify_file  # noqa: E402
+from pitstop.adapters.keras.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 register(Plugin("keras", modules=("keras",), adapters=(FitStateAdapter(), KerasAdapter()),
                 writer_info=writer_info))

@@ -24,13 +24,9 @@ from __future__ import annotations
 from pitstop.adapters.tf import _rng
 from pitstop.adapters.tf._adapter import TensorHint, TrackableAdapter, VariableAdapter
 from pitstop.adapters.tf._leaf import VariableLeaf
-from pitstop.adapters.tf.checkpoint import (
-    Checkpoint,
-    CheckpointLoadStatus,
-    CheckpointManager,
-    NotFoundError,
-    latest_checkpoint,
-)
+from pitstop.adapters.tf._runs import NotFoundError
+from pitstop.adapters.tf.checkpoint import Checkpoint, CheckpointLoadStatus
+from pitstop.adapters.tf.manager import CheckpointManager, latest_checkpoint
 from pitstop.core.adapter import Plugin, RNGProvider, register
 
 register(Plugin(

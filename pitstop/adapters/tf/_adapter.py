@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pitstop.adapters.tf import _graph
+from pitstop.adapters.tf import _graph, _restore
 from pitstop.adapters.tf._leaf import VariableLeaf, base_variable
 from pitstop.core.adapter import Adapter
 from pitstop.core.errors import IncompatibleTargetError, UnsupportedStateError
@@ -37,7 +37,7 @@ class VariableAdapter(Adapter):
             raise IncompatibleTargetError(
                 f"the checkpoint holds a {type(tree).__name__} here, not a variable's array; "
                 "restore into the kind of object that saved it")
-        problem = _graph.variable_problem(var, tree)
+        problem = _restore.variable_problem(var, tree)
         if problem:
             raise IncompatibleTargetError(problem)
 
@@ -92,12 +92,12 @@ class TrackableAdapter(Adapter):
         return list(last[1]) if last is not None and last[0] == id(obj) else []
 
     def check(self, obj: Any, tree: Any) -> None:
-        _graph.Restore(tree).check(obj)
+        _restore.Restore(tree).check(obj)
         _refuse_keras_without_match(obj, tree)
 
     def apply(self, obj: Any, tree: Any) -> None:
-        r = _graph.Restore(tree)
-        _graph.restore_into(obj, tree, restore=r)
+        r = _restore.Restore(tree)
+        _restore.restore_into(obj, tree, restore=r)
         _warn_unmatched(obj, r)
 
 
@@ -114,7 +114,7 @@ def _refuse_keras_without_match(obj: Any, tree: Any) -> None:
     mine = {id(base_variable(v)) for v in obj.weights}
     if not mine:
         return  # not built yet: its variables take their values when created (deferred)
-    r = _graph.Restore(tree)
+    r = _restore.Restore(tree)
     saved = [s for s, (_c, attrs, *_slots) in enumerate(r.graph) if attrs]
     if not saved:
         return
@@ -128,7 +128,7 @@ def _refuse_keras_without_match(obj: Any, tree: Any) -> None:
             "names). Restore into the model it was saved from.")
 
 
-def _warn_unmatched(obj: Any, r: _graph.Restore) -> None:
+def _warn_unmatched(obj: Any, r: _restore.Restore) -> None:
     """Matching by local names, as tf.train's, leaves a renamed attribute's variables at
     their initial values with no error; tf.train's status would say so at
     ``assert_consumed()``, which a pitstop state has no place for: say it here, when saved

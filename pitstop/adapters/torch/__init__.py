@@ -23,10 +23,8 @@ from typing import Any
 
 from pitstop.adapters.torch import _rng
 from pitstop.adapters.torch._adapter import (
-    GeneratorAdapter,
     ModuleAdapter,
     OptimizerAdapter,
-    SamplerAdapter,
     StatefulAdapter,
     TensorAdapter,
     unwrap_module,
@@ -35,6 +33,7 @@ from pitstop.adapters.torch._ambient import ambient_coordinator, ambient_rank
 from pitstop.adapters.torch._hints import DataLoaderHint
 from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
 from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch._values import GeneratorAdapter, SamplerAdapter
 from pitstop.adapters.torch._workers import worker_death_hint
 from pitstop.adapters.torch.distributed import ProcessGroupCoordinator
 from pitstop.core.adapter import Plugin, RNGProvider, register

@@ -314,3 +314,11 @@ def dtensor_like(param: Any, full: torch.Tensor) -> Any:
     device = local_tensor(param).device
     return DTensor.from_local(local.to(device), param.device_mesh, param.placements,
                               run_check=False, shape=param.shape, stride=param.stride())
+
+
+def tensor_leaf(tensor: torch.Tensor, where: str = "") -> TensorLeaf:
+    """The leaf for any tensor: a :class:`TensorLeaf`, or for a DTensor (FSDP2, tensor
+    parallel) a sharded ``DTensorLeaf`` of its global shape holding this rank's shard."""
+    if is_dtensor(tensor):
+        return DTensorLeaf(tensor, where)
+    return TensorLeaf(tensor, where)

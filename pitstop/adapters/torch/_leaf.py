@@ -5,7 +5,7 @@ bfloat16 and float8 tensors are viewed as same-width integers and then as the ma
 ``ml_dtypes`` type, so every byte goes through bit-exact. CUDA tensors are copied with
 ``non_blocking=True`` into the (page-locked) staging buffer and the snapshot waits once,
 in :attr:`TensorLeaf.snapshot_fence`, for all of them. A DTensor (FSDP2, tensor parallel)
-becomes a sharded leaf of its global shape (``_dtensor.DTensorLeaf``, see :func:`tensor_leaf`).
+becomes a sharded leaf of its global shape (``_dtensor.DTensorLeaf``, see ``_dtensor.tensor_leaf``).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class TensorLeaf(ArrayLeaf):
         if type(tensor).__name__ == "DTensor":
             raise UnsupportedStateError(
                 f"{named(where)} is a DTensor, which a TensorLeaf cannot hold; build its leaf "
-                "with pitstop.adapters.torch._leaf.tensor_leaf() (a sharded DTensorLeaf)")
+                "with pitstop.adapters.torch._dtensor.tensor_leaf() (a sharded DTensorLeaf)")
         #: the live tensor itself (not a detached alias: apply hands this very object back)
         self.tensor = tensor
         #: its key inside the object that holds it ("" for a tensor placed in the state)
@@ -220,16 +220,6 @@ class TensorLeaf(ArrayLeaf):
 
     def __repr__(self) -> str:
         return f"TensorLeaf({self.tensor.dtype}{list(self.shape)} on {self.tensor.device})"
-
-
-def tensor_leaf(tensor: torch.Tensor, where: str = "") -> TensorLeaf:
-    """The leaf for any tensor: a :class:`TensorLeaf`, or for a DTensor (FSDP2, tensor
-    parallel) a sharded ``DTensorLeaf`` of its global shape holding this rank's shard."""
-    from pitstop.adapters.torch._dtensor import DTensorLeaf, is_dtensor
-
-    if is_dtensor(tensor):
-        return DTensorLeaf(tensor, where)
-    return TensorLeaf(tensor, where)
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:

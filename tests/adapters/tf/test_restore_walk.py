@@ -17,8 +17,8 @@ keras = pytest.importorskip("keras")
 
 from tf_helpers import X, Y, leaf_keys, same, values  # noqa: E402
 
-from pitstop.adapters.tf import Checkpoint, CheckpointManager, _graph  # noqa: E402
-from pitstop.adapters.tf.checkpoint import read_tree  # noqa: E402
+from pitstop.adapters.tf import Checkpoint, CheckpointManager, _graph, _restore  # noqa: E402
+from pitstop.adapters.tf._runs import read_tree  # noqa: E402
 
 
 def native_keys(path):
@@ -153,9 +153,9 @@ def test_every_value_the_capture_saves_finds_its_object_on_restore(tmp_path):
     tree = _graph.capture(src)
     want = {k: np.array(leaf.variable.numpy()) if isinstance(leaf, _graph.VariableLeaf)
             else leaf for k, leaf in _flat(tree)}
-    r = _graph.Restore(_numpy(tree))
-    _graph.restore_into(dst, _numpy(tree), restore=r)
-    assert _graph.unrestored(r.outcome, r.graph) == []
+    r = _restore.Restore(_numpy(tree))
+    _restore.restore_into(dst, _numpy(tree), restore=r)
+    assert _restore.unrestored(r.outcome, r.graph) == []
     got = dict(_flat(_graph.capture(dst)))
     assert set(got) == set(want)
     for k, leaf in got.items():

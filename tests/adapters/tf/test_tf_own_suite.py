@@ -71,7 +71,7 @@ from tensorflow.python.trackable import base as trackable_base  # noqa: E402
 
 import pitstop  # noqa: E402
 from pitstop.adapters.tf import Checkpoint, CheckpointManager  # noqa: E402
-from pitstop.adapters.tf import checkpoint as pitstop_checkpoint  # noqa: E402
+from pitstop.adapters.tf import _runs as pitstop_runs  # noqa: E402
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Peer:
             return False
         if self.is_pitstop:  # (a second name's checkpoints live beside, see run_directory)
             head, base = os.path.split(path)
-            where = pitstop_checkpoint.run_directory(head, base.rsplit("-", 1)[0] + "-") if "-" in base else head
+            where = pitstop_runs.run_directory(head, base.rsplit("-", 1)[0] + "-") if "-" in base else head
             return os.path.exists(os.path.join(where, base, "manifest.json"))
         return os.path.exists(path + ".index")
 
@@ -118,7 +118,7 @@ def peer(request) -> Peer:
 
 def pitstop_gap(reason: str):
     """A tf.train behaviour pitstop does not have yet, for a reason outside
-    pitstop/adapters/tf/checkpoint.py: the pitstop case is a strict xfail (it fails loudly
+    pitstop/adapters/tf/checkpoint.py and manager.py: the pitstop case is a strict xfail (it fails loudly
     once fixed, to be turned into a plain test)."""
     def mark(fn):
         fn.pitstop_gap = reason
@@ -128,16 +128,16 @@ def pitstop_gap(reason: str):
 
 
 #: the reasons, each naming where the fix belongs
-NO_VALUE_OBJECT = ("pitstop/adapters/tf/_graph.py (Restore.check/_cannot_take): a live "
+NO_VALUE_OBJECT = ("pitstop/adapters/tf/_restore.py (Restore.check/_cannot_take): a live "
                    "object that cannot take a saved value (a bare Trackable where a variable "
                    "was saved) is refused with IncompatibleTargetError at restore(); "
                    "tf.train leaves the value unused, warns of it when the restore is "
                    "released and fails assert_consumed() with 'Unused attributes'")
-CYCLE = ("pitstop/adapters/tf/_graph.py: Outcome.matched holds the live objects strongly and "
+CYCLE = ("pitstop/adapters/tf/_restore.py: Outcome.matched holds the live objects strongly and "
          "a deferred value (_Deferred on the parent) holds the Restore, so a restore with "
          "values still deferred makes a reference cycle; tf.train keeps its matched objects "
          "in a WeakValueDictionary, so they are freed by reference counting alone")
-ONE_CALL = ("pitstop/adapters/tf/_graph.py (Restore._assign): _restore_from_tensors is called "
+ONE_CALL = ("pitstop/adapters/tf/_restore.py (Restore._assign): _restore_from_tensors is called "
             "once per saved tensor with that tensor alone; tf.train calls it once with all "
             "of the object's tensors, so an object saving two (MultiTensor) gets a KeyError")
 
@@ -148,7 +148,7 @@ def _close_pitstop_runs():
     manager still open is closed, also one only garbage keeps alive (no gc.collect() here:
     with TensorFlow loaded, one takes most of a test's time)."""
     yield
-    for ref in list(pitstop_checkpoint._Runs._open.values()):
+    for ref in list(pitstop_runs._Runs._open.values()):
         mgr = ref()
         if mgr is not None and not mgr._closed:
             try:
@@ -179,7 +179,7 @@ def keys_of(peer: Peer, path: str) -> set[str]:
     """The tensor keys a checkpoint holds (TensorFlow's own, e.g. ``v/.ATTRIBUTES/...``)."""
     if not peer.is_pitstop:
         return {k for k, _ in tf.train.list_variables(path)} - {"_CHECKPOINTABLE_OBJECT_GRAPH"}
-    tree = pitstop_checkpoint.read_tree(path)
+    tree = pitstop_runs.read_tree(path)
     out: set[str] = set()
 
     def visit(node: Any, prefix: tuple[str, ...]) -> None:

@@ -39,8 +39,8 @@ from dist_helpers import (  # noqa: E402  (after the skips)
 )
 from dist_worker import dec, originals  # noqa: E402
 
-from pitstop.adapters.torch._dtensor import _region, is_dtensor  # noqa: E402
-from pitstop.adapters.torch._leaf import TensorLeaf, tensor_leaf  # noqa: E402
+from pitstop.adapters.torch._dtensor import _region, is_dtensor, tensor_leaf  # noqa: E402
+from pitstop.adapters.torch._leaf import TensorLeaf  # noqa: E402
 from pitstop.core.errors import UnsupportedStateError  # noqa: E402
 
 TIMEOUT = 120.0  # a deadline for a hung world, never reached by a passing run

@@ -19,12 +19,8 @@ from torch_helpers import same_bits
 
 import pitstop
 from pitstop.adapters.torch import TensorLeaf
-from pitstop.adapters.torch._adapter import (
-    GeneratorAdapter,
-    ModuleAdapter,
-    OptimizerAdapter,
-    StatefulAdapter,
-)
+from pitstop.adapters.torch._adapter import ModuleAdapter, OptimizerAdapter, StatefulAdapter
+from pitstop.adapters.torch._values import GeneratorAdapter
 from pitstop.core.tree import ArraySpec
 
 

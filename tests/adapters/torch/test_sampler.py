@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import pitstop
 from pitstop.adapters.torch import ResumableLoader, ResumableSampler
-from pitstop.adapters.torch._adapter import SamplerAdapter
+from pitstop.adapters.torch._values import SamplerAdapter
 
 N, BS = 21, 4  # 6 batches per epoch, the last one partial
 
