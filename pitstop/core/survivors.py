@@ -35,7 +35,7 @@ def persist_survivors(reader: CheckpointManager, directory: str, **options: Any)
     except CheckpointError:  # DirectoryLockedError: its live writer recovers them
         return False
     try:
-        recovered = bool(writer._recovered_all)
+        recovered = bool(writer.recovered_steps)
         writer.wait()
     finally:
         writer.close()

@@ -272,7 +272,7 @@ class _RunState:
             best: dict[str, Any] | None = None
             # snapshots recovered from the memory tier carry no user metadata: each was
             # saved after everything on disk, so it is the newest, still managed
-            recovered = {r.step for r in getattr(self.mgr, "_recovered_all", ())}
+            recovered = set(self.mgr.recovered_steps)
             late: list[tuple[float, int]] = []
             for step in self.mgr.all_steps():
                 try:

@@ -335,7 +335,7 @@ class CheckpointManager:
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
                 if step in self._mgr.all_steps():
-                    self._mgr._quarantine(step)
+                    self._mgr.set_aside_corrupt(step)
                 self._maybe_delete.pop(step, None)
                 self._saved = [s for s in self._saved if s != step]
                 # (still one of the native checkpoints: a save of its number replaces its

@@ -437,6 +437,12 @@ class DirectoryReader:
             supervised.report(event, dir=self.directory, read_only=self.read_only,
                               rank=self._rank_world[0], **fields)
 
+    def set_aside_corrupt(self, step: int) -> None:
+        """Move the checkpoint of ``step``, found corrupt by a face's own read (tf.train's
+        ``CheckpointManager``), aside as ``.corrupt-…`` (never deleted), so that a later
+        save can reuse its step; a reader leaves it in place."""
+        self._quarantine(step)
+
     def _quarantine(self, step: int) -> None:
         """Move a corrupt checkpoint aside (never deleted) so later saves can reuse its step."""
         name = self.naming.name(step)

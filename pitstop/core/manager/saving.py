@@ -156,6 +156,12 @@ class Saving:
             self._catalog.skips = self._skips
 
     @property
+    def recovered_steps(self) -> list[int]:
+        """The steps this manager recovered from the memory tier at its opening that are not
+        on disk yet (their persist runs in the background): newest last."""
+        return [r.step for r in self._recovered_all]
+
+    @property
     def skipped_saves(self) -> int:
         """Periodic saves this manager skipped because the previous one was still
         persisting (``on_busy="skip"``); each one was warned about (rate-limited)."""

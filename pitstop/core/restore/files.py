@@ -180,7 +180,7 @@ def _os_error(where: str, fname: str, e: OSError) -> CheckpointError:
         # LocalStorage refusing a path that leads outside the checkpoint (a symlink), or a
         # file with a second name: that one stays in place (``linked``)
         err = CorruptCheckpointError(f"{where}: {e}", checkpoint=where, file=fname)
-        from pitstop.core.storage.local import LinkedFileError
+        from pitstop.core.storage.posix import LinkedFileError
         err.linked = isinstance(e, LinkedFileError)
         return err
     if e.errno in _STRUCTURAL:

@@ -10,15 +10,12 @@ import threading
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pitstop.core.errors import DirectoryLockedError
 from pitstop.core.runtime.host import boot_id
 from pitstop.core.storage.objectstore.ops import LOCK, META_DIR, _Conflict, log
 from pitstop.core.storage.objectstore.s3 import _S3Ops
-
-if TYPE_CHECKING:
-    from pitstop.core.storage.objectstore.storage import FsspecStorage
 
 _leases: weakref.WeakSet[_Lease] = weakref.WeakSet()
 #: locations locked by this process (memory:// and every store without conditional writes)
@@ -43,7 +40,7 @@ class _Lease:
     On S3 it is the object ``.pitstop/lock``, renewed by a daemon thread; elsewhere it is
     held in this process (exact for memory://, which no other process can see)."""
 
-    def __init__(self, storage: FsspecStorage, token: str, etag: str | None,
+    def __init__(self, storage: Any, token: str, etag: str | None,
                  shared: bool) -> None:
         self.storage = storage
         self.key = storage._key(META_DIR, LOCK)
@@ -70,7 +67,7 @@ class _Lease:
 
     # ------------------------------------------------------------------ taking it
     @classmethod
-    def acquire(cls, storage: FsspecStorage) -> _Lease:
+    def acquire(cls, storage: Any) -> _Lease:
         if not isinstance(storage._ops, _S3Ops):
             return cls._acquire_local(storage)
         ops = storage._ops
@@ -111,7 +108,7 @@ class _Lease:
         return lease
 
     @classmethod
-    def _acquire_local(cls, storage: FsspecStorage) -> _Lease:
+    def _acquire_local(cls, storage: Any) -> _Lease:
         with _local_guard:
             held = _local_locks.get(storage.location)
             if held is not None and not held.released and not held.forgotten:
@@ -153,7 +150,7 @@ class _Lease:
         return None
 
     @staticmethod
-    def _busy(storage: FsspecStorage, data: bytes, age: float | None) -> str:
+    def _busy(storage: Any, data: bytes, age: float | None) -> str:
         try:
             doc = json.loads(data)
             holder = f"pid {doc.get('pid')} on {doc.get('host')}"

@@ -7,20 +7,18 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pitstop.core.directory.names import tmp_name
 from pitstop.core.errors import StepExistsError
 from pitstop.core.storage.base import Transaction, Writer
 from pitstop.core.storage.objectstore.ops import MANIFEST, _check_segment, log
 
-if TYPE_CHECKING:
-    from pitstop.core.storage.objectstore.storage import FsspecStorage
 
 class _ObjectTransaction(Transaction):
     """One save: marker first, data objects create-only, manifest last (the commit)."""
 
-    def __init__(self, storage: FsspecStorage, name: str, joined: str | None = None) -> None:
+    def __init__(self, storage: Any, name: str, joined: str | None = None) -> None:
         _check_segment(name, "checkpoint name")
         self.storage = storage
         self.name = name

@@ -6,7 +6,7 @@ import asyncio
 import errno
 import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pitstop.core.storage.base import Writer
 from pitstop.core.storage.objectstore.ops import (
@@ -14,12 +14,11 @@ from pitstop.core.storage.objectstore.ops import (
     ObjectStoreError,
     _Conflict,
     _human,
+    _Ops,
     _Unsupported,
     log,
 )
 
-if TYPE_CHECKING:
-    from pitstop.core.storage.objectstore.s3 import _S3Ops
 
 class _S3Writer(Writer):
     """One object: a single PUT when it fits one part, else a multipart upload whose parts
@@ -28,7 +27,7 @@ class _S3Writer(Writer):
 
     direct = False
 
-    def __init__(self, ops: _S3Ops, key: str, create_only: bool,
+    def __init__(self, ops: _Ops, key: str, create_only: bool,
                  done: Callable[[str, str | None], None]) -> None:
         self.ops = ops
         self.key = key
