@@ -24,6 +24,7 @@ import numpy as np
 
 from pitstop.adapters.keras import files
 from pitstop.core.errors import CheckpointWriteError
+from pitstop.core.storage.sidecar import remove_stale_temporaries
 
 _KerasModelCheckpoint: Any = keras.callbacks.ModelCheckpoint
 
@@ -134,7 +135,7 @@ class ModelCheckpoint(_KerasModelCheckpoint):
     def on_train_begin(self, logs: Any = None) -> None:
         folder = os.path.dirname(os.path.abspath(self.filepath))
         if "{" not in folder:
-            files.remove_stale_temporaries(folder)  # left by a writer killed mid-file
+            remove_stale_temporaries(folder)  # left by a writer killed mid-file
         if self._judged_at_epoch_end() and not self._stale_warned:
             self._stale_warned = True
             warnings.warn(

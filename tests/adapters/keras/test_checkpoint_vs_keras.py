@@ -19,6 +19,7 @@ from keras_helpers import h5_tree, on_backends, weights_of
 
 import pitstop
 from pitstop.adapters.keras import ModelCheckpoint, files, verify_file
+from pitstop.core.storage import sidecar
 
 BACKEND = keras.backend.backend()
 
@@ -148,7 +149,7 @@ def test_verify_file_during_overwrite_is_not_a_false_corruption(tmp_path, monkey
     verify_file(path)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     new = files.snapshot(model, str(path), True)
-    real_hasher = files.new_hasher
+    real_hasher = sidecar.new_hasher
     fired = []
 
     def hasher(alg):
@@ -157,12 +158,12 @@ def test_verify_file_during_overwrite_is_not_a_false_corruption(tmp_path, monkey
             files.write(new, str(path), {"epoch": 2})  # the writer thread overwrites now
         return real_hasher(alg)
 
-    monkeypatch.setattr(files, "new_hasher", hasher)
+    monkeypatch.setattr(sidecar, "new_hasher", hasher)
     try:
         verify_file(path)
     except pitstop.CheckpointNotFoundError:
         pass
-    monkeypatch.setattr(files, "new_hasher", real_hasher)
+    monkeypatch.setattr(sidecar, "new_hasher", real_hasher)
     assert verify_file(path)["epoch"] == 2
 
 

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from pitstop.adapters.keras import files
+from pitstop.core.storage import sidecar
 
 
 def _model():
@@ -27,7 +28,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(tmp_pa
     victim.write_text("precious")
     target = str(tmp_path / "model.keras")
     pid = os.getpid()
-    token = files._tmp_name(target).split(f".{pid}-")[1].split(".")[0]
+    token = sidecar._tmp_name(target).split(f".{pid}-")[1].split(".")[0]
     nxt = int(token[:-12] if len(token) > 12 else token) + 1  # the counter's next value
     for i in range(nxt, nxt + 4):  # what a guess of the old names would plant
         for name in (f".model.keras.{pid}-{i}.pitstop-tmp.keras",
@@ -40,5 +41,5 @@ def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(tmp_pa
     loaded = keras.models.load_model(target)
     for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
-    names = files._tmp_name(target), files._tmp_name(target)
-    assert names[0] != names[1] and files._TMP.match(os.path.basename(names[0]))
+    names = sidecar._tmp_name(target), sidecar._tmp_name(target)
+    assert names[0] != names[1] and sidecar._TMP.match(os.path.basename(names[0]))
