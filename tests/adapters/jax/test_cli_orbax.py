@@ -90,7 +90,7 @@ def test_orbax_import_into_an_encrypted_directory(tmp_path, capsys, monkeypatch)
     found the directory's key; the Orbax import wrote without one)."""
     import os
 
-    import pitstop.cli as cli
+    import pitstop.cli.common as cli
     monkeypatch.setenv("PITSTOP_ENCRYPTION_KEY", "ab" * 32)
     monkeypatch.setattr(cli, "_KEY", [])
     with pitstop.CheckpointManager(tmp_path / "enc", memory_tier=False, async_save=False,
