@@ -258,7 +258,12 @@ class ChildRun:
 
     @staticmethod
     def say(line: str) -> None:
-        print(line, flush=True)
+        """One report line in one write(2): stdout is unbuffered (PYTHONUNBUFFERED), and a
+        print() writes the text and its newline apart, so a SIGKILL between the two left a
+        line without its end, which the restarted process's first line ("pid N") then
+        continued: the demo counted one start and failed a run that had restarted."""
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
     def manager(self) -> Any:
         """The run's CheckpointManager (None for the reference run); reports the pid."""

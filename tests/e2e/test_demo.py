@@ -171,3 +171,18 @@ def test_sigterm_to_the_demo_alone_stops_it_cleanly(tmp_path):
                           text=True).stdout.split("\n")
     assert not [ln for ln in left if ln.strip() and "Z" not in ln.split()[1]], left
     assert not [n for n in os.listdir(tmp_path) if n.startswith("pitstop-demo-")]
+
+
+def test_a_report_line_is_one_write_so_a_kill_cannot_cut_it(monkeypatch) -> None:
+    """The demo's child reports on an unbuffered stdout; a line written in two pieces (text,
+    then newline, as print() does there) and cut by the SIGKILL joined the restarted
+    process's "pid N", so the demo counted one start of a run that had restarted."""
+    import os
+    import sys
+
+    from pitstop.cli.demo import ChildRun
+
+    writes: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, bytes(data))) or len(data))
+    ChildRun.say("step 25")
+    assert writes == [(sys.stdout.fileno(), b"step 25\n")]
