@@ -32,7 +32,8 @@ from pitstop.adapters.torch._adapter import (
 from pitstop.adapters.torch._ambient import ambient_coordinator, ambient_rank
 from pitstop.adapters.torch._hints import DataLoaderHint
 from pitstop.adapters.torch._leaf import TensorLeaf, numpy_dtype, pin_staging, torch_dtype
-from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch._loader import ResumableLoader
+from pitstop.adapters.torch._sampler import ResumableSampler
 from pitstop.adapters.torch._values import GeneratorAdapter, SamplerAdapter
 from pitstop.adapters.torch._workers import worker_death_hint
 from pitstop.adapters.torch.distributed import ProcessGroupCoordinator

@@ -25,14 +25,13 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Iterator, Mapping, Sized
 from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import Sampler
 
-from pitstop.adapters.torch._workers import WorkerInit, start_workers
 from pitstop.core.errors import IncompatibleTargetError
 
 log = logging.getLogger("pitstop")
@@ -44,7 +43,7 @@ _CALLER_DEPTH = 8
 _MASK = (1 << 63) - 1
 
 
-def _mix(seed: int, epoch: int) -> int:
+def mix_epoch(seed: int, epoch: int) -> int:
     """A 63-bit seed for the loader's base-seed generator, distinct from ``seed + epoch``."""
     x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK
     x ^= x >> 31
@@ -237,129 +236,3 @@ def _prefetching_caller(frame: FrameType | None) -> str | None:
             return f"a DataLoader with num_workers={workers}"
         frame = frame.f_back
     return None
-
-
-class ResumableLoader(DataLoader):
-    """A ``DataLoader`` whose ``state_dict`` is exactly where the training loop is.
-
-    Same arguments as ``DataLoader`` plus ``seed`` (shuffle order and worker seeds). Put it
-    in the checkpointed state; after ``restore`` the next ``iter(loader)`` yields the batch
-    that would have come next, also with ``num_workers > 0``. Iterating again after breaking
-    out of a loop also continues where the loop stopped (every batch handed out counts, a
-    peek with ``next(iter(loader))`` too), and a restore while a loop runs takes effect in
-    that loop (its iterator starts over at the restored position). Its worker processes
-    ignore a SIGTERM/SIGINT sent to the whole process group (the training process saves,
-    then exits as the signal asks); ``worker_init_fn`` is wrapped for that and still called.
-    """
-
-    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False, *,
-                 seed: int = 0, sampler: ResumableSampler | None = None,
-                 drop_last: bool = False, generator: torch.Generator | None = None,
-                 **kwargs: Any) -> None:
-        if isinstance(dataset, IterableDataset):
-            raise TypeError("ResumableLoader needs a map-style dataset (with __getitem__ and "
-                            "__len__); an IterableDataset must track its own position")
-        if kwargs.get("batch_sampler") is not None:
-            raise TypeError("ResumableLoader counts batches of batch_size samples; pass "
-                            "batch_size (and a ResumableSampler as sampler) instead of "
-                            "batch_sampler")
-        if sampler is None:
-            sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed)
-        elif not isinstance(sampler, ResumableSampler):
-            raise TypeError(f"sampler must be a ResumableSampler, got {type(sampler).__name__}")
-        elif shuffle:
-            raise ValueError("pass shuffle to the ResumableSampler, not to the loader")
-        sampler._tracked = True
-        # dedicated generator for the workers' base seed (see the module docstring)
-        self.seed_generator = generator if generator is not None else torch.Generator()
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                         generator=self.seed_generator, **kwargs)
-
-    @property  # type: ignore[override]
-    def worker_init_fn(self) -> WorkerInit:
-        """The ``worker_init_fn`` torch calls in each worker: it leaves SIGTERM and SIGINT to
-        the main process (see ``_workers``), then calls the one you passed (``.fn``)."""
-        return self._worker_init
-
-    @worker_init_fn.setter
-    def worker_init_fn(self, fn: Callable[[int], Any] | None) -> None:
-        self._worker_init = fn if isinstance(fn, WorkerInit) else WorkerInit(fn)
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next batch belongs to."""
-        return self.sampler.epoch  # type: ignore[attr-defined,no-any-return]
-
-    @property
-    def position(self) -> int:
-        """Samples of this epoch the training loop has consumed."""
-        return self.sampler.position  # type: ignore[attr-defined,no-any-return]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-
-    def __iter__(self) -> _TrackedIter:  # type: ignore[override]
-        return _TrackedIter(self)
-
-    def _open(self) -> Iterator[Any]:
-        """The DataLoader iterator for the sampler's epoch and position (an empty one for
-        an epoch already used up: see ``ResumableSampler.set_epoch``)."""
-        s: ResumableSampler = self.sampler  # type: ignore[assignment]
-        if s.position >= s.num_samples:
-            s._next_epoch()
-            return iter(())
-        # worker seeds depend on (seed, epoch) only; persistent workers are seeded once
-        self.seed_generator.manual_seed(_mix(s.seed, 0 if self.persistent_workers else s.epoch))
-        if self.num_workers > 0:
-            # workers (and the helper processes they need) start with SIGTERM/SIGINT
-            # blocked, so none reaches them before their worker_init_fn hands both to the
-            # main process (see _workers)
-            return start_workers(self.multiprocessing_context, super().__iter__)
-        return super().__iter__()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()  # type: ignore[attr-defined,no-any-return]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)  # type: ignore[attr-defined]
-
-
-class _TrackedIter:
-    """The DataLoader iterator, counting what it hands to the training loop. When the
-    sampler's position is restored meanwhile (``restore`` or ``rollback`` inside the loop),
-    it starts over from the restored position: the batches after it are those of a run
-    resumed there (the old iterator's workers are shut down, its prefetched batches
-    dropped)."""
-
-    def __init__(self, loader: ResumableLoader) -> None:
-        self.loader = loader
-        self.sampler: ResumableSampler = loader.sampler  # type: ignore[assignment]
-        self.per_batch = loader.batch_size or 1
-        self.drop_tail = self.per_batch if loader.drop_last else 0
-        self.generation = self.sampler.generation
-        self.it = loader._open()
-
-    def __iter__(self) -> _TrackedIter:
-        return self
-
-    def __next__(self) -> Any:
-        if self.generation != self.sampler.generation:
-            self._restart()
-        batch = next(self.it)
-        self.sampler._consume(self.per_batch, self.drop_tail)
-        return batch
-
-    def _restart(self) -> None:
-        old = self.it
-        if not self.loader.persistent_workers:  # (persistent ones are reset and reused)
-            shutdown = getattr(old, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-        self.generation = self.sampler.generation
-        self.it = self.loader._open()
-
-    def __len__(self) -> int:
-        try:
-            return len(self.it)  # type: ignore[arg-type]
-        except TypeError:  # the empty iterator of an epoch used up already
-            return 0

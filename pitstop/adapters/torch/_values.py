@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from pitstop.adapters.torch._adapter import _refused
-from pitstop.adapters.torch._sampler import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch._loader import ResumableLoader
+from pitstop.adapters.torch._sampler import ResumableSampler
 from pitstop.core.adapter import Adapter
 from pitstop.core.errors import IncompatibleTargetError
 
@@ -71,7 +72,7 @@ class SamplerAdapter(Adapter):
         return obj.state_dict()
 
     def check(self, obj: ResumableSampler | ResumableLoader, tree: Any) -> None:
-        _sampler_of(obj).check_state(tree)
+        obj.check_state(tree)
 
     def apply(self, obj: ResumableSampler | ResumableLoader, tree: Any) -> None:
         obj.load_state_dict(tree)
@@ -81,6 +82,3 @@ class SamplerAdapter(Adapter):
             return []  # it counts what the loop took: exact with any number of workers
         return obj.caveats()
 
-
-def _sampler_of(obj: ResumableSampler | ResumableLoader) -> ResumableSampler:
-    return obj if isinstance(obj, ResumableSampler) else obj.sampler  # type: ignore[return-value]

@@ -77,11 +77,16 @@ class WorkerInit:
 
     def __init__(self, fn: Callable[[int], Any] | None) -> None:
         self.fn = fn
+        #: an IterableDataset's per-worker states for the workers about to start (set by
+        #: the loader before it starts them; see ``_fetch.install``)
+        self.stream_resume: dict[str, Any] | None = None
 
     def __call__(self, worker_id: int) -> None:
         leave_signals_to_main()
         if self.fn is not None:
             self.fn(worker_id)
+        from pitstop.adapters.torch._fetch import install
+        install(self.stream_resume)
 
     def __repr__(self) -> str:
         return f"WorkerInit({self.fn!r})"
