@@ -18,8 +18,20 @@ class DataLoaderHint(Adapter):
             getattr(obj, "state_dict", None))
 
     def capture(self, obj: Any) -> Any:
-        from torch.utils.data import IterableDataset
-        if isinstance(getattr(obj, "dataset", None), IterableDataset):
+        from torch.utils.data import DataLoader, IterableDataset
+        dataset = getattr(obj, "dataset", None)
+        stateful = callable(getattr(dataset, "state_dict", None))
+        workers = int(getattr(obj, "num_workers", 0) or 0)
+        if isinstance(obj, DataLoader) and (not isinstance(dataset, IterableDataset)
+                                            or (stateful and workers > 0)):
+            raise UnsupportedStateError(
+                f"a plain {type(obj).__name__} has no state to save, so a resumed run would "
+                "restart the epoch (and with worker processes its workers run ahead of the "
+                "loop). Swap it for an equivalent one whose state is the loop's position: "
+                "loader = pitstop.adapters.torch.ResumableLoader.from_loader(loader) (same "
+                "dataset, sampler, batching and workers), and put that in the state; or "
+                "leave the loader out of the state.")
+        if isinstance(dataset, IterableDataset):
             # ResumableLoader needs a map-style dataset: it would refuse this one
             raise UnsupportedStateError(
                 f"a {type(obj).__name__} over an IterableDataset "

@@ -167,7 +167,8 @@ class ResumableLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                          generator=self.seed_generator, **kwargs)
         source = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
-        self._progress = SamplerOrder(source, seed, tag_seeds=workers > 0)
+        size = len(dataset) if callable(getattr(dataset, "__len__", None)) else None
+        self._progress = SamplerOrder(source, seed, tag_seeds=workers > 0, dataset_len=size)
         self._indices = _Indices(self._progress)
 
     @classmethod

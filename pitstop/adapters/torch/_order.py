@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import Sampler
 
 from pitstop.adapters.torch._fetch import mix, seed_globals, tag
 from pitstop.adapters.torch._values_codec import decode, encode
@@ -73,6 +74,13 @@ def load_source_state(obj: Any, state: Mapping[str, Any], depth: int = 0) -> Non
             load_source_state(inner, state[name], depth + 1)
 
 
+def describe(obj: Any) -> str:
+    """``"BatchSampler(RandomSampler)"``: the kinds of sampler a loader iterates."""
+    name = type(obj).__name__
+    inner = getattr(obj, "sampler", None)
+    return f"{name}({describe(inner)})" if isinstance(inner, Sampler) else name
+
+
 def _epoch_attr(state: Mapping[str, Any] | None) -> Any:
     """The first integer ``epoch`` attribute in a source state (a DistributedSampler's)."""
     while state:
@@ -102,8 +110,11 @@ class SamplerOrder:
 
     kind = "sampler"
 
-    def __init__(self, source: Any, seed: int, *, tag_seeds: bool) -> None:
+    def __init__(self, source: Any, seed: int, *, tag_seeds: bool,
+                 dataset_len: int | None = None) -> None:
         self.source = source
+        self.sampler_kind = describe(source)
+        self.dataset_len = dataset_len
         self.seed = int(seed)
         self.tag_seeds = tag_seeds
         self.epoch = 0
@@ -231,6 +242,7 @@ class SamplerOrder:
         start = self.start if self.start is not None else source_state(self.source)
         return {"kind": self.kind, "seed": self.seed, "epoch": self.epoch,
                 "position": self.position, "completed_epoch": self.completed,
+                "sampler": self.sampler_kind, "dataset_len": self.dataset_len,
                 "start": start}
 
     def check_state(self, state: Any) -> None:
@@ -242,6 +254,20 @@ class SamplerOrder:
                 f"the checkpoint's entry is not the state of a ResumableLoader over a "
                 f"sampler or batch_sampler (found {saved}); restore it into a loader built "
                 "the way the saved one was (same sampler kind)")
+        kind = state.get("sampler", self.sampler_kind)
+        if kind != self.sampler_kind:
+            raise IncompatibleTargetError(
+                f"the checkpoint's loader iterated a {kind}, this one a {self.sampler_kind}: "
+                "its saved position and sampler state mean nothing here. Build the loader "
+                "with the same sampler as the saved run, or leave the loader out of the state "
+                "(restore with strict=False) to start the epoch over.")
+        saved = state.get("dataset_len")
+        if saved is not None and self.dataset_len is not None and saved != self.dataset_len:
+            raise IncompatibleTargetError(
+                f"the checkpoint's loader ran over {saved} samples, this dataset has "
+                f"{self.dataset_len}: its saved position would point at other samples. Resume "
+                "with the same dataset, or leave the loader out of the state (restore with "
+                "strict=False) to start the epoch over.")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.check_state(state)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.utils.data import (
     BatchSampler,
-    DataLoader,
     Dataset,
     DistributedSampler,
     IterableDataset,
@@ -53,7 +52,8 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         start, self.loaded = (self.loaded or 0), None
-        for self.pos, i in enumerate(self._shard()[start:], start + 1):
+        for pos, i in enumerate(self._shard()[start:], start + 1):
+            self.pos = pos
             yield torch.tensor([i, int(torch.randint(0, 1 << 30, ()))])
 
     def state_dict(self):
