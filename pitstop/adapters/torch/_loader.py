@@ -144,6 +144,11 @@ class ResumableLoader(DataLoader):
         # dedicated generator for the workers' base seed (see the module docstring)
         self.seed_generator = generator if generator is not None else torch.Generator()
         workers = int(kwargs.get("num_workers", 0) or 0)
+        if workers and kwargs.get("in_order") is False:
+            raise ValueError(
+                "ResumableLoader needs in_order=True with worker processes: with "
+                "in_order=False batches reach the loop as workers finish them, so no count "
+                "of batches taken says which ones were trained on. Drop in_order=False.")
         if isinstance(dataset, IterableDataset):
             refuse_stateless(dataset)
             super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,

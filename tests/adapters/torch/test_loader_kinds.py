@@ -199,3 +199,19 @@ def test_an_interrupted_loader_resumes_with_the_batches_of_an_uninterrupted_one(
     random.seed(123)
     rest = train(kind, make(kind, workers), manager())
     assert first + rest == expected, f"seed {seed}: stopped after step {stop}"
+
+
+@pytest.mark.parametrize("kind", ["distributed", "stateful", "stream"])
+def test_stopped_after_any_step_including_an_epochs_last_it_resumes_exactly(kind, manager):
+    """Every cut, in-process (cheap): right after an epoch's last batch the loop's epoch
+    counter still names that epoch, and set_epoch of it must not train it again."""
+    torch.manual_seed(0)
+    with manager() as ref:
+        expected = train(kind, make(kind, 0), ref)
+    for stop in range(STEPS - 1):
+        torch.manual_seed(0)
+        with manager() as mgr:
+            first = train(kind, make(kind, 0), mgr, stop=stop)
+        with manager() as mgr:
+            rest = train(kind, make(kind, 0), mgr)
+        assert first + rest == expected, f"stopped after step {stop}"
