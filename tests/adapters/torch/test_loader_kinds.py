@@ -201,17 +201,21 @@ def test_an_interrupted_loader_resumes_with_the_batches_of_an_uninterrupted_one(
     assert first + rest == expected, f"seed {seed}: stopped after step {stop}"
 
 
-@pytest.mark.parametrize("kind", ["distributed", "stateful", "stream"])
-def test_stopped_after_any_step_including_an_epochs_last_it_resumes_exactly(kind, manager):
+@pytest.mark.parametrize("kind", ["distributed", "stream"])
+def test_stopped_after_any_step_including_an_epochs_last_it_resumes_exactly(kind, tmp_path):
     """Every cut, in-process (cheap): right after an epoch's last batch the loop's epoch
     counter still names that epoch, and set_epoch of it must not train it again."""
+    def manager_at(where):
+        return pitstop.CheckpointManager(tmp_path / where, save_on_signals=None,
+                                         memory_tier=False, async_save=False)
+
     torch.manual_seed(0)
-    with manager() as ref:
+    with manager_at("ref") as ref:
         expected = train(kind, make(kind, 0), ref)
     for stop in range(STEPS - 1):
         torch.manual_seed(0)
-        with manager() as mgr:
+        with manager_at(f"stop{stop}") as mgr:
             first = train(kind, make(kind, 0), mgr, stop=stop)
-        with manager() as mgr:
+        with manager_at(f"stop{stop}") as mgr:
             rest = train(kind, make(kind, 0), mgr)
         assert first + rest == expected, f"stopped after step {stop}"
