@@ -89,6 +89,20 @@ def _resumable_from(base: Any, seed: int, where: str) -> ResumableLoader:
                            drop_last=bs.drop_last, **kwargs)
 
 
+class _ShardLoader(ResumableLoader):
+    """The ResumableLoader inside a DataLoaderShard. The shard reads one batch ahead of the
+    loop; when a loop breaks out, that batch was taken from the loader but never handed
+    out. A new iteration first moves the loader back to what the shard handed out (its
+    ``dl_state_dict``), so it goes on with the batch after the loop's last one, as a
+    ResumableLoader does, and the look-ahead batch is not lost."""
+
+    def __iter__(self) -> Any:
+        handed = {k: v for k, v in self._pitstop_shard.dl_state_dict.items() if k != _FINISHED}
+        if handed != self.state_dict():
+            self.load_state_dict(handed)
+        return super().__iter__()
+
+
 class _ShardPosition:
     """The saved position of one prepared DataLoaderShard: its ResumableLoader's state as
     the shard last handed a batch to the loop, and the shard's epoch counter."""
@@ -238,9 +252,13 @@ class Checkpointing:
                 "Prepare a plain torch DataLoader.")
         if getattr(shard, "use_stateful_dataloader", False):
             return _StatefulShard(shard)
-        if not isinstance(base, ResumableLoader):
-            shard.base_dataloader = _resumable_from(base, self.seed, where)
-            shard.dl_state_dict = shard.base_dataloader.state_dict()
+        if not isinstance(base, _ShardLoader):
+            loader = base if isinstance(base, ResumableLoader) else \
+                _resumable_from(base, self.seed, where)
+            loader.__class__ = _ShardLoader  # adds only __iter__ (see there)
+            loader._pitstop_shard = shard  # type: ignore[attr-defined]
+            shard.base_dataloader = loader
+            shard.dl_state_dict = loader.state_dict()
         return _ShardPosition(shard)
 
     @staticmethod
@@ -312,7 +330,7 @@ class Checkpointing:
         if p.parent != root or m is None:
             raise CheckpointNotFoundError(
                 f"pitstop: {input_dir} is not a checkpoint of {self.directory} (its folders "
-                f"are step_N: {self.manager.steps()[-3:]} ...); a save_state folder is "
+                f"are step_N: {self.manager.all_steps()[-3:]} ...); a save_state folder is "
                 "imported with import_accelerate_checkpoint first")
         return self.restore(int(m.group(1)), strict=strict)
 
