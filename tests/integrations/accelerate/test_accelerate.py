@@ -35,6 +35,16 @@ class Counter:
         self.seen = sd["seen"]
 
 
+class Counted(torch.utils.data.TensorDataset):
+    """A dataset that counts the samples read from it."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        Counted.reads += 1
+        return super().__getitem__(i)
+
+
 def make(project: Path | None = None, *, seed: int = 0, hidden: int = 16, total_limit=None,
          sampler=None):
     """A fresh Accelerator (accelerate's singletons reset) with a prepared model, AdamW,
@@ -45,7 +55,7 @@ def make(project: Path | None = None, *, seed: int = 0, hidden: int = 16, total_
                                   total_limit=total_limit) if project else None
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2, project_config=config)
     set_seed(seed)
-    data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+    data = Counted(torch.randn(24, 4), torch.randn(24, 1))
     model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(hidden, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -190,3 +200,47 @@ def test_a_loop_that_breaks_out_goes_on_with_the_next_batch(tmp_path: Path) -> N
     assert not torch.equal(torch.cat(whole), torch.cat(first + rest))  # epoch 1 reshuffled
     order = torch.cat(first + rest)
     assert sorted(order[:, 0].tolist()) == sorted(torch.cat(whole)[:, 0].tolist())
+
+
+def test_skip_first_batches_resumes_another_order_pitstop_the_same(
+        tmp_path: Path) -> None:
+    """Row 'skip_first_batches' of docs/migration.md (and accelerate#2016): stopped after 3
+    of an epoch's 6 batches and resumed, accelerate's recipe (save_state, load_state,
+    skip_first_batches) yields the last 3 batches of another permutation; pitstop's yields
+    the uninterrupted epoch's. Neither reads the skipped samples of a map-style dataset
+    (accelerate skips indices; it re-reads only an IterableDataset's batches)."""
+    def first_three(dl):
+        got = []
+        for i, (x, _) in enumerate(dl):
+            got.append(x)
+            if i == 2:
+                return got
+        raise AssertionError("the epoch has 6 batches")
+
+    results = {}
+    for tool in ("accelerate", "pitstop"):
+        objs = make()
+        if tool == "pitstop":
+            Checkpointing(objs[0], tmp_path / "reference").close()  # the same loader
+        whole = [x for x, _ in objs[3]]  # epoch 0, uninterrupted (the reference)
+        objs = make()
+        ckpt = Checkpointing(objs[0], tmp_path / tool) if tool == "pitstop" else None
+        got = first_three(objs[3])
+        if ckpt is None:
+            objs[0].save_state(str(tmp_path / tool))
+        else:
+            ckpt.save().wait()
+            ckpt.close()
+        fresh = make()
+        Counted.reads = 0
+        if tool == "accelerate":
+            fresh[0].load_state(str(tmp_path / tool))
+            rest = [x for x, _ in fresh[0].skip_first_batches(fresh[3], 3)]
+        else:
+            with Checkpointing(fresh[0], tmp_path / tool) as again:
+                again.restore()
+                rest = [x for x, _ in fresh[3]]
+        results[tool] = ([torch.equal(a, b) for a, b in zip(whole, got + rest, strict=True)],
+                         Counted.reads)
+    assert results["accelerate"] == ([True] * 3 + [False] * 3, 12)
+    assert results["pitstop"] == ([True] * 6, 12)
