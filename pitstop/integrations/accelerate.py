@@ -74,8 +74,8 @@ def _resumable_from(base: Any, seed: int, where: str) -> ResumableLoader:
             "integration resumes a map-style dataset with shuffle=True/False and a batch_size "
             "exactly. Give accelerator.prepare such a DataLoader, or use "
             "DataLoaderConfiguration(use_stateful_dataloader=True) (accelerate's own position, "
-            "saved as a value), or leave this loader out of prepare() and put its own "
-            "state_dict() object in extra_state=.")
+            "saved as a value, not known to be exact), or leave this loader out of prepare() "
+            "and put an object with its own state_dict() in extra_state=.")
     kwargs: dict[str, Any] = {
         "num_workers": base.num_workers, "collate_fn": base.collate_fn,
         "pin_memory": base.pin_memory, "timeout": base.timeout,
@@ -214,7 +214,14 @@ class Checkpointing:
         self._refuse_accelerate_folder(self.directory)
         self.global_step = 0
         self.seed = int(torch.initial_seed() if seed is None else seed) % 2**63
-        self.state = self._build_state(dict(extra_state or {}))
+        self._extra = dict(extra_state or {})
+        if not (accelerator._models or accelerator._optimizers or self._extra):
+            raise ValueError(
+                "pitstop: Checkpointing(accelerator) was made before accelerator.prepare: "
+                "the accelerator holds no model or optimizer to save. Make it after "
+                "`model, optimizer, ... = accelerator.prepare(...)`")
+        self.state = self._build_state(self._extra)
+        self._seen = self._counts()
         self.manager = CheckpointManager(self.directory, **manager_options)
 
     # ------------------------------------------------------------------ the state
@@ -242,6 +249,21 @@ class Checkpointing:
         state.update(extra)
         return state
 
+    def _counts(self) -> tuple[int, ...]:
+        acc = self.accelerator
+        return (len(acc._models), len(acc._optimizers), len(acc._schedulers),
+                len(acc._dataloaders), len(acc._custom_objects), acc.scaler is not None)
+
+    def _current_state(self) -> dict[str, Any]:
+        """The state, made again when ``prepare`` or ``register_for_checkpointing`` added
+        objects since (so a model prepared later is saved too, not left out silently)."""
+        if self._counts() != self._seen:
+            log.info("pitstop: the accelerator has other objects than when Checkpointing "
+                     "was made; saving and restoring them all")
+            self.state = self._build_state(self._extra)
+            self._seen = self._counts()
+        return self.state
+
     def _position(self, shard: Any, i: int) -> Any:
         where = f"accelerator._dataloaders[{i}]"
         base = vars(shard).get("base_dataloader")
@@ -250,11 +272,19 @@ class Checkpointing:
                 f"pitstop: {where} is a {type(shard).__name__}, not the DataLoaderShard "
                 "accelerator.prepare makes on one process; its position cannot be saved. "
                 "Prepare a plain torch DataLoader.")
-        if getattr(shard, "use_stateful_dataloader", False):
-            return _StatefulShard(shard)
         if not isinstance(base, _ShardLoader):
-            loader = base if isinstance(base, ResumableLoader) else \
-                _resumable_from(base, self.seed, where)
+            try:
+                loader = base if isinstance(base, ResumableLoader) else \
+                    _resumable_from(base, self.seed, where)
+            except UnsupportedStateError:
+                if not getattr(shard, "use_stateful_dataloader", False):
+                    raise
+                log.warning(
+                    "pitstop: %s: its sampler is not one pitstop resumes exactly; its "
+                    "position is saved as accelerate's StatefulDataLoader state_dict(), "
+                    "whose resume may differ from an uninterrupted run (the permutation of "
+                    "a resumed epoch, prefetched batches)", where)
+                return _StatefulShard(shard)
             loader.__class__ = _ShardLoader  # adds only __iter__ (see there)
             loader._pitstop_shard = shard  # type: ignore[attr-defined]
             shard.base_dataloader = loader
@@ -282,7 +312,7 @@ class Checkpointing:
         Returns the restored global step (``self.global_step``), or None on a fresh start.
         ``strict=False`` restores what matches (a checkpoint imported from ``save_state``
         has no loader position: the loaders then start their epoch from the beginning)."""
-        restored = self.manager.restore(self.state, step, strict=strict)
+        restored = self.manager.restore(self._current_state(), step, strict=strict)
         if restored is not None and not strict:
             missing = [k for k in getattr(restored, "missing_keys", ())
                        if k.split("/")[0].startswith("dataloader")]
@@ -299,14 +329,14 @@ class Checkpointing:
         if not self.accelerator.sync_gradients:
             return None
         self.global_step += 1
-        return self.manager.step(self.global_step, self.state, metrics)
+        return self.manager.step(self.global_step, self._current_state(), metrics)
 
     def save(self, metrics: Mapping[str, Any] | None = None) -> Any:
         """Save ``global_step`` now (asynchronously), unless it is saved already; e.g. the
         last step of a run. Returns the handle, or None when it was saved already."""
         if self.manager.latest_step() == self.global_step:
             return None
-        return self.manager.save(self.global_step, self.state, metrics)
+        return self.manager.save(self.global_step, self._current_state(), metrics)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Any:
         """``accelerator.save_state()``'s name: :meth:`save` (pitstop names the checkpoint

@@ -244,3 +244,54 @@ def test_skip_first_batches_resumes_another_order_pitstop_the_same(
                          Counted.reads)
     assert results["accelerate"] == ([True] * 3 + [False] * 3, 12)
     assert results["pitstop"] == ([True] * 6, 12)
+
+
+def test_a_stateful_dataloader_resumes_the_same_epoch(tmp_path: Path) -> None:
+    """DataLoaderConfiguration(use_stateful_dataloader=True): torchdata's loader inside the
+    shard is replaced as a plain one is; the resumed epoch is the uninterrupted one's."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from accelerate import DataLoaderConfiguration
+
+    def stateful():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True))
+        set_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(24, 4))
+        model, dl = acc.prepare(torch.nn.Linear(4, 1),
+                                torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+        return acc, dl
+
+    acc, dl = stateful()
+    Checkpointing(acc, tmp_path / "reference").close()
+    whole = [x for (x,) in dl]
+    acc, dl = stateful()
+    with Checkpointing(acc, tmp_path / "run") as ckpt:
+        got = []
+        for i, (x,) in enumerate(dl):
+            got.append(x)
+            if i == 2:
+                ckpt.save().wait()
+                break
+    acc, dl = stateful()
+    with Checkpointing(acc, tmp_path / "run") as ckpt:
+        assert ckpt.restore() == 0
+        got += [x for (x,) in dl]
+    assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(whole, got, strict=True))
+
+
+def test_objects_prepared_after_checkpointing_are_saved_too(tmp_path: Path) -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="before accelerator.prepare"):
+        Checkpointing(acc, tmp_path / "runs")
+    first = acc.prepare(torch.nn.Linear(2, 2))
+    with Checkpointing(acc, tmp_path / "runs") as ckpt:
+        second = acc.prepare(torch.nn.Linear(3, 3))  # prepared later
+        ckpt.save().wait()
+        saved = ckpt.manager.load(0)
+    assert set(saved) >= {"model", "model_1"}
+    assert torch.equal(torch.from_numpy(saved["model_1"]["weight"]), second.weight.detach())
+    assert torch.equal(torch.from_numpy(saved["model"]["weight"]), first.weight.detach())
