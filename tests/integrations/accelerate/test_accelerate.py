@@ -248,7 +248,8 @@ def test_skip_first_batches_resumes_another_order_pitstop_the_same(
 
 def test_a_stateful_dataloader_resumes_the_same_epoch(tmp_path: Path) -> None:
     """DataLoaderConfiguration(use_stateful_dataloader=True): torchdata's loader inside the
-    shard is replaced as a plain one is; the resumed epoch is the uninterrupted one's."""
+    shard is replaced as a plain one is; the resumed epoch is the uninterrupted one's.
+    accelerate's own save_state / load_state of the same loader resumes another order."""
     pytest.importorskip("torchdata.stateful_dataloader")
     from accelerate import DataLoaderConfiguration
 
@@ -279,6 +280,20 @@ def test_a_stateful_dataloader_resumes_the_same_epoch(tmp_path: Path) -> None:
         assert ckpt.restore() == 0
         got += [x for (x,) in dl]
     assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(whole, got, strict=True))
+
+    acc, dl = stateful()  # the same through accelerate alone
+    whole = [x for (x,) in dl]
+    acc, dl = stateful()
+    own = []
+    for i, (x,) in enumerate(dl):
+        own.append(x)
+        if i == 2:
+            acc.save_state(str(tmp_path / "own"))
+            break
+    acc, dl = stateful()
+    acc.load_state(str(tmp_path / "own"))
+    own += [x for (x,) in dl]
+    assert [torch.equal(a, b) for a, b in zip(whole, own, strict=True)] == [True] * 3 + [False] * 3
 
 
 def test_objects_prepared_after_checkpointing_are_saved_too(tmp_path: Path) -> None:
