@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from pitstop.adapters.rng import RNG
-from pitstop.adapters.torch import ResumableLoader
+from pitstop.adapters.torch import ResumableLoader, ResumableSampler
 from pitstop.core.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -63,8 +63,9 @@ def _resumable_from(base: Any, seed: int, where: str) -> ResumableLoader:
     if from_loader is not None:
         return from_loader(base, seed=seed)  # type: ignore[no-any-return]
     bs = base.batch_sampler
+    resumable = isinstance(getattr(bs, "sampler", None), ResumableSampler)
     if isinstance(base.dataset, IterableDataset) or type(bs) is not BatchSampler \
-            or type(bs.sampler) not in (RandomSampler, SequentialSampler) \
+            or not resumable and type(bs.sampler) not in (RandomSampler, SequentialSampler) \
             and not (isinstance(bs.sampler, RandomSampler)
                      and type(bs.sampler).__name__ == "SeedableRandomSampler"):
         raise UnsupportedStateError(
@@ -84,23 +85,37 @@ def _resumable_from(base: Any, seed: int, where: str) -> ResumableLoader:
         "persistent_workers": base.persistent_workers}
     if base.num_workers > 0:
         kwargs["prefetch_factor"] = base.prefetch_factor
+    if resumable:  # a ResumableLoader given to prepare(): its sampler, rebuilt around it
+        return ResumableLoader(base.dataset, batch_size=bs.batch_size, sampler=bs.sampler,
+                               drop_last=bs.drop_last, **kwargs)
     return ResumableLoader(base.dataset, batch_size=bs.batch_size,
                            shuffle=isinstance(bs.sampler, RandomSampler), seed=seed,
                            drop_last=bs.drop_last, **kwargs)
 
 
-class _ShardLoader(ResumableLoader):
-    """The ResumableLoader inside a DataLoaderShard. The shard reads one batch ahead of the
-    loop; when a loop breaks out, that batch was taken from the loader but never handed
-    out. A new iteration first moves the loader back to what the shard handed out (its
-    ``dl_state_dict``), so it goes on with the batch after the loop's last one, as a
-    ResumableLoader does, and the look-ahead batch is not lost."""
+def _shard_iter(self: Any) -> Any:
+    """``__iter__`` of the ResumableLoader inside a DataLoaderShard. The shard reads one
+    batch ahead of the loop; when a loop breaks out, that batch was taken from the loader
+    but never handed out. A new iteration first moves the loader back to what the shard
+    handed out (its ``dl_state_dict``), so it goes on with the batch after the loop's last
+    one, as a ResumableLoader does, and the look-ahead batch is not lost."""
+    handed = {k: v for k, v in self._pitstop_shard.dl_state_dict.items() if k != _FINISHED}
+    if handed != self.state_dict():
+        self.load_state_dict(handed)
+    return _SHARD_BASES[type(self)].__iter__(self)
 
-    def __iter__(self) -> Any:
-        handed = {k: v for k, v in self._pitstop_shard.dl_state_dict.items() if k != _FINISHED}
-        if handed != self.state_dict():
-            self.load_state_dict(handed)
-        return super().__iter__()
+
+_SHARD_CLASSES: dict[type, type] = {}  # loader class -> its shard class
+_SHARD_BASES: dict[type, type] = {}  # shard class -> the loader class
+
+
+def _shard_class(cls: type) -> type:
+    """``cls`` (ResumableLoader, or the subclass ``from_loader`` returns) with
+    :func:`_shard_iter` as ``__iter__``: the same layout, so ``__class__`` can be set."""
+    if cls not in _SHARD_CLASSES:
+        shard_cls = type(f"Shard{cls.__name__}", (cls,), {"__iter__": _shard_iter})
+        _SHARD_CLASSES[cls], _SHARD_BASES[shard_cls] = shard_cls, cls
+    return _SHARD_CLASSES[cls]
 
 
 class _ShardPosition:
@@ -272,7 +287,7 @@ class Checkpointing:
                 f"pitstop: {where} is a {type(shard).__name__}, not the DataLoaderShard "
                 "accelerator.prepare makes on one process; its position cannot be saved. "
                 "Prepare a plain torch DataLoader.")
-        if not isinstance(base, _ShardLoader):
+        if type(base) not in _SHARD_BASES:
             try:
                 loader = base if isinstance(base, ResumableLoader) else \
                     _resumable_from(base, self.seed, where)
@@ -285,7 +300,7 @@ class Checkpointing:
                     "whose resume may differ from an uninterrupted run (the permutation of "
                     "a resumed epoch, prefetched batches)", where)
                 return _StatefulShard(shard)
-            loader.__class__ = _ShardLoader  # adds only __iter__ (see there)
+            loader.__class__ = _shard_class(type(loader))  # adds only __iter__ (see there)
             loader._pitstop_shard = shard  # type: ignore[attr-defined]
             shard.base_dataloader = loader
             shard.dl_state_dict = loader.state_dict()

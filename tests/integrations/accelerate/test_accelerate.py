@@ -310,3 +310,32 @@ def test_objects_prepared_after_checkpointing_are_saved_too(tmp_path: Path) -> N
     assert set(saved) >= {"model", "model_1"}
     assert torch.equal(torch.from_numpy(saved["model_1"]["weight"]), second.weight.detach())
     assert torch.equal(torch.from_numpy(saved["model"]["weight"]), first.weight.detach())
+
+
+def test_a_resumable_loader_given_to_prepare_keeps_its_sampler(tmp_path: Path) -> None:
+    """A ResumableLoader (torch.md's loader) given to prepare(): accelerate rebuilds a plain
+    DataLoader around its sampler; the integration resumes it with that sampler's seed."""
+    from pitstop.adapters.torch import ResumableLoader
+
+    def prepared():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True)
+        data = torch.utils.data.TensorDataset(torch.arange(24.0).view(24, 1))
+        model, dl = acc.prepare(torch.nn.Linear(1, 1),
+                                ResumableLoader(data, batch_size=4, shuffle=True, seed=7))
+        return acc, dl
+
+    acc, dl = prepared()
+    Checkpointing(acc, tmp_path / "reference").close()
+    whole = torch.cat([x for (x,) in dl])
+    assert not torch.equal(whole, torch.arange(24.0).view(24, 1))  # shuffled, seed 7
+    acc, dl = prepared()
+    with Checkpointing(acc, tmp_path / "run") as ckpt:
+        got = [x for _, (x,) in zip(range(2), dl, strict=False)]
+        ckpt.save().wait()
+    acc, dl = prepared()
+    with Checkpointing(acc, tmp_path / "run") as ckpt:
+        ckpt.restore()
+        got += [x for (x,) in dl]
+    assert torch.equal(torch.cat(got), whole)
