@@ -226,7 +226,6 @@ class Checkpointing:
         if pc.total_limit is not None:
             manager_options.setdefault("keep_last", pc.total_limit)
         self.directory = os.fspath(directory)
-        self._refuse_accelerate_folder(self.directory)
         self.global_step = 0
         self.seed = int(torch.initial_seed() if seed is None else seed) % 2**63
         self._extra = dict(extra_state or {})
@@ -238,6 +237,11 @@ class Checkpointing:
         self.state = self._build_state(self._extra)
         self._seen = self._counts()
         self.manager = CheckpointManager(self.directory, **manager_options)
+        try:
+            self._refuse_accelerate_folder(self.directory, self.manager.all_steps())
+        except BaseException:
+            self.manager.close()
+            raise
 
     # ------------------------------------------------------------------ the state
     def _build_state(self, extra: dict[str, Any]) -> dict[str, Any]:
@@ -307,14 +311,20 @@ class Checkpointing:
         return _ShardPosition(shard)
 
     @staticmethod
-    def _refuse_accelerate_folder(directory: str) -> None:
-        """An accelerate save_state folder is not a pitstop directory: say so, with the fix."""
+    def _refuse_accelerate_folder(directory: str, steps: list[int]) -> None:
+        """A directory of accelerate save_state folders is not a pitstop directory: say so,
+        with the fix. Beside pitstop's own checkpoints (``accelerator.save_state()`` called
+        too, with automatic naming), warn and go on: the resume must not be blocked."""
         p = Path(directory)
         if not p.is_dir():
             return
         acc = [c for c in (p, *sorted(p.iterdir())) if c.is_dir()
                and any(c.glob("random_states_*.pkl"))]
-        if acc:
+        if acc and steps:
+            log.warning("pitstop: %s also holds accelerator.save_state folders (%s); "
+                        "Checkpointing restores only its own step_N checkpoints", directory,
+                        ", ".join(c.name for c in acc[:3]))
+        elif acc:
             raise UnsupportedStateError(
                 f"pitstop: {acc[0]} is a checkpoint of accelerator.save_state, not a pitstop "
                 f"one, and Checkpointing does not write beside it. Import it once with "

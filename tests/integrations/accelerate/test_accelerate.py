@@ -339,3 +339,20 @@ def test_a_resumable_loader_given_to_prepare_keeps_its_sampler(tmp_path: Path) -
         ckpt.restore()
         got += [x for (x,) in dl]
     assert torch.equal(torch.cat(got), whole)
+
+
+def test_pitstops_triggers_and_accelerates_save_state_side_by_side(tmp_path: Path,
+                                                                   caplog) -> None:
+    """nonfinite_guard skips a step whose loss is NaN; an accelerator.save_state() into the
+    same {project_dir}/checkpoints does not block the resume from pitstop's checkpoints."""
+    objs = make(tmp_path / "p")
+    with Checkpointing(objs[0], save_every_steps=1, nonfinite_guard=True) as ckpt:
+        ckpt.step(metrics={"loss": float("nan")})
+        ckpt.step(metrics={"loss": 1.0})
+        ckpt.wait()
+        assert ckpt.manager.all_steps() == [2]
+    objs[0].save_state()  # accelerate's own, beside pitstop's step_2
+    fresh = make(tmp_path / "p")
+    with Checkpointing(fresh[0]) as ckpt:
+        assert ckpt.restore() == 2
+    assert "also holds accelerator.save_state folders (checkpoint_0)" in caplog.text
