@@ -356,3 +356,32 @@ def test_pitstops_triggers_and_accelerates_save_state_side_by_side(tmp_path: Pat
     with Checkpointing(fresh[0]) as ckpt:
         assert ckpt.restore() == 2
     assert "also holds accelerator.save_state folders (checkpoint_0)" in caplog.text
+
+
+def test_another_sampler_under_a_stateful_loader_is_saved_with_a_warning(
+        tmp_path: Path, caplog) -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from accelerate import DataLoaderConfiguration
+
+    def weighted():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True))
+        data = torch.utils.data.TensorDataset(torch.randn(24, 4))
+        sampler = torch.utils.data.WeightedRandomSampler([1.0] * 24, 24)
+        model, dl = acc.prepare(torch.nn.Linear(4, 1), torch.utils.data.DataLoader(
+            data, batch_size=4, sampler=sampler))
+        return acc, dl
+
+    acc, dl = weighted()
+    with Checkpointing(acc, tmp_path / "run") as ckpt:
+        assert "not one pitstop resumes exactly" in caplog.text
+        for i, _ in enumerate(dl):
+            if i == 2:
+                ckpt.save().wait()
+                break
+    acc, dl = weighted()
+    with Checkpointing(acc, tmp_path / "run") as ckpt:
+        assert ckpt.restore() == 0
+        assert len(list(dl)) == 3  # accelerate's own position: the rest of the epoch
