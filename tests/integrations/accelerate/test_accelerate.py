@@ -385,3 +385,21 @@ def test_another_sampler_under_a_stateful_loader_is_saved_with_a_warning(
     with Checkpointing(acc, tmp_path / "run") as ckpt:
         assert ckpt.restore() == 0
         assert len(list(dl)) == 3  # accelerate's own position: the rest of the epoch
+
+
+class _Boom:
+    def __reduce__(self):
+        return (Path.touch, (Path(_Boom.target),))
+
+
+def test_import_runs_no_code_from_the_folder(tmp_path: Path) -> None:
+    """A random_states_0.pkl that would run code when unpickled is refused, unrun."""
+    objs = make(tmp_path / "acc")
+    objs[0].save_state()
+    folder = tmp_path / "acc" / "checkpoints" / "checkpoint_0"
+    _Boom.target = str(tmp_path / "ran")
+    torch.save({"step": 0, "random_state": _Boom()}, folder / "random_states_0.pkl")
+    with pytest.raises(pitstop.CorruptCheckpointError, match="weights_only"):
+        import_accelerate_checkpoint(folder, tmp_path / "runs", step=0)
+    assert not (tmp_path / "ran").exists()
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("step_*"))
