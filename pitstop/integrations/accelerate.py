@@ -33,10 +33,9 @@ from typing import Any
 import accelerate  # noqa: F401 - the integration needs the tool; fail here, with its name
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from pitstop.adapters.rng import RNG
-from pitstop.adapters.torch import ResumableLoader, ResumableSampler
+from pitstop.adapters.torch import ResumableLoader
 from pitstop.core.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -54,43 +53,14 @@ _FINISHED = "_iterator_finished"  # the key DataLoaderShard adds to a state dict
 
 
 def _resumable_from(base: Any, seed: int, where: str) -> ResumableLoader:
-    """A ResumableLoader equivalent to ``base`` (the DataLoader inside a DataLoaderShard).
-
-    Uses ``ResumableLoader.from_loader`` where it exists; else rebuilds it for the loaders
-    today's ResumableLoader takes (map-style dataset, a random or sequential sampler, plain
-    batching)."""
-    from_loader = getattr(ResumableLoader, "from_loader", None)
-    if from_loader is not None:
-        return from_loader(base, seed=seed)  # type: ignore[no-any-return]
-    bs = base.batch_sampler
-    resumable = isinstance(getattr(bs, "sampler", None), ResumableSampler)
-    if isinstance(base.dataset, IterableDataset) or type(bs) is not BatchSampler \
-            or not resumable and type(bs.sampler) not in (RandomSampler, SequentialSampler) \
-            and not (isinstance(bs.sampler, RandomSampler)
-                     and type(bs.sampler).__name__ == "SeedableRandomSampler"):
+    """A ResumableLoader equivalent to ``base`` (the DataLoader inside a DataLoaderShard)."""
+    try:
+        return ResumableLoader.from_loader(base, seed=seed)
+    except TypeError as e:
         raise UnsupportedStateError(
-            f"pitstop: {where} is a DataLoader over "
-            f"{type(base.dataset).__name__} with {type(bs).__name__}"
-            f"({type(getattr(bs, 'sampler', None)).__name__}); pitstop's Accelerate "
-            "integration resumes a map-style dataset with shuffle=True/False and a batch_size "
-            "exactly. Give accelerator.prepare such a DataLoader, or use "
-            "DataLoaderConfiguration(use_stateful_dataloader=True) (accelerate's own position, "
-            "saved as a value, not known to be exact), or leave this loader out of prepare() "
-            "and put an object with its own state_dict() in extra_state=.")
-    kwargs: dict[str, Any] = {
-        "num_workers": base.num_workers, "collate_fn": base.collate_fn,
-        "pin_memory": base.pin_memory, "timeout": base.timeout,
-        "worker_init_fn": base.worker_init_fn,
-        "multiprocessing_context": base.multiprocessing_context,
-        "persistent_workers": base.persistent_workers}
-    if base.num_workers > 0:
-        kwargs["prefetch_factor"] = base.prefetch_factor
-    if resumable:  # a ResumableLoader given to prepare(): its sampler, rebuilt around it
-        return ResumableLoader(base.dataset, batch_size=bs.batch_size, sampler=bs.sampler,
-                               drop_last=bs.drop_last, **kwargs)
-    return ResumableLoader(base.dataset, batch_size=bs.batch_size,
-                           shuffle=isinstance(bs.sampler, RandomSampler), seed=seed,
-                           drop_last=bs.drop_last, **kwargs)
+            f"pitstop: {where} cannot be resumed exactly: {e}. Give accelerator.prepare a "
+            "DataLoader pitstop can track, or leave this loader out of prepare() and put an "
+            "object with its own state_dict() in extra_state=.") from e
 
 
 def _shard_iter(self: Any) -> Any:
