@@ -81,3 +81,24 @@ def test_framework_test_folders_cannot_shadow_the_frameworks():
             continue
         shadowing = frameworks.intersection(dirs)
         assert not shadowing, f"tests/{rel}/{sorted(shadowing)[0]} would shadow the framework"
+
+
+def test_a_float32_job_and_the_command_do_not_import_ml_dtypes(tmp_path):
+    """ml_dtypes takes about a second to import (more than the rest of pitstop): a process
+    that holds none of its types (bfloat16, float8, int4) never pays for it; one that does
+    saves and restores them (tests/core/test_roundtrip.py)."""
+    code = f"""
+import json, sys
+import numpy as np
+import torch
+import pitstop
+from pitstop.cli import main
+state = {{"w": np.ones(4, np.float32), "t": torch.ones(3), "n": 1}}
+with pitstop.CheckpointManager({str(tmp_path)!r}, memory_tier=False) as mgr:
+    mgr.save(0, state).wait()
+    assert mgr.restore(state) == 0
+assert main(["verify", {str(tmp_path)!r}]) == 0
+assert main(["inspect", {str(tmp_path)!r}]) == 0
+print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == "ml_dtypes")))
+"""
+    assert frameworks_loaded_by(code) == []

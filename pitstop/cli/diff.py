@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pitstop.core.format.dtypes import ML_FLOATS, decode_dtype
+from pitstop.core.format.dtypes import ML_DTYPES, decode_dtype
 from pitstop.core.format.hashing import new_hasher
 from pitstop.core.format.schema import ArrayEntry, Manifest
 from pitstop.core.restore.read import CheckpointReader
@@ -90,7 +90,7 @@ class ArrayDiff:
 
 
 def _floatish(dt: np.dtype) -> bool:
-    return dt.kind in "fc" or dt in ML_FLOATS
+    return dt.kind in "fc" or ML_DTYPES.is_float(dt)
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -123,7 +123,7 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, atol: float | None,
     out = ArrayDiff(size=int(a.size))
     fa, fb = a.reshape(-1), b.reshape(-1)
     dt = a.dtype
-    numeric = (dt.kind in "biufc" or dt in ML_FLOATS) and dt.fields is None
+    numeric = (dt.kind in "biufc" or ML_DTYPES.is_float(dt)) and dt.fields is None
     floaty = _floatish(dt)
     tolerant = atol is not None or rtol is not None
     at, rt = atol or 0.0, rtol or 0.0

@@ -30,7 +30,6 @@ from pitstop.interop.common import atomic_write
 
 NPZ_META = "__pitstop__"
 NPZ_FORMAT = "pitstop-npz"
-_ML_BY_DTYPE = {v: k for k, v in ML_DTYPES.items()}
 
 
 class ArrayUnreadable(CheckpointError):
@@ -121,7 +120,7 @@ def write_npz(reader: Any, path: str, key: str | None) -> tuple[int, int]:
                     a = reader.read_array(kp, entry)
                 except Exception as e:  # noqa: BLE001 - corrupt bytes, a vanished file
                     raise ArrayUnreadable(kp) from e
-                ml = _ML_BY_DTYPE.get(a.dtype)
+                ml = ML_DTYPES.name_of(a.dtype)
                 if ml is not None:
                     dtypes[name] = ml
                     a = a.view(f"u{a.dtype.itemsize}")

@@ -51,14 +51,23 @@ __all__ = ["import_torch_save", "export_torch_save", "export_safetensors"]
 # ----------------------------------------------------------------------------- dtypes
 #: torch dtypes numpy has no type for: the same-width int to view the bits through, and
 #: the ml_dtypes type that holds them (looked up by name, so missing ones drop out)
-_BIT_VIEWS: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {}
+_BIT_VIEWS: dict[torch.dtype, tuple[torch.dtype, str]] = {}
 for _name, _int in [("bfloat16", torch.int16), ("float8_e4m3fn", torch.uint8),
                     ("float8_e5m2", torch.uint8), ("float8_e4m3fnuz", torch.uint8),
                     ("float8_e5m2fnuz", torch.uint8), ("float8_e8m0fnu", torch.uint8)]:
     _tdt = getattr(torch, _name, None)
-    if _tdt is not None and _name in ML_DTYPES:
-        _BIT_VIEWS[_tdt] = (_int, ML_DTYPES[_name])
-_BY_NUMPY: dict[np.dtype, torch.dtype] = {np_dt: t for t, (_i, np_dt) in _BIT_VIEWS.items()}
+    if _tdt is not None:
+        _BIT_VIEWS[_tdt] = (_int, _name)
+_BY_NAME: dict[str, torch.dtype] = {name: t for t, (_i, name) in _BIT_VIEWS.items()}
+
+
+def _bit_view(tdt: torch.dtype) -> tuple[torch.dtype, np.dtype] | None:
+    """(the int dtype to view through, the ml_dtypes dtype) of ``tdt``, else None (ml_dtypes
+    is imported at the first such tensor: see core.format.dtypes)."""
+    entry = _BIT_VIEWS.get(tdt)
+    if entry is None or entry[1] not in ML_DTYPES:
+        return None
+    return entry[0], ML_DTYPES[entry[1]]
 
 #: dtypes every safetensors release since 0.4 stores (the running one may add more)
 _SAFETENSORS_BASE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -80,7 +89,7 @@ def _tensor_to_numpy(t: torch.Tensor, path: str) -> np.ndarray:
     if type(t) is not torch.Tensor:  # nn.Parameter and other subclasses: the plain data
         t = t.as_subclass(torch.Tensor)
     t = t.cpu().resolve_conj().resolve_neg()
-    view = _BIT_VIEWS.get(t.dtype)
+    view = _bit_view(t.dtype)
     try:
         if view is not None:
             int_dt, np_dt = view
@@ -96,7 +105,7 @@ def _numpy_to_tensor(a: np.ndarray, path: str) -> torch.Tensor:
     """A torch tensor with the same bits (shares memory with a C-contiguous copy of ``a``)."""
     if not (a.flags.c_contiguous and a.flags.writeable):
         a = a.copy(order="C")  # (np.ascontiguousarray would turn a 0-d array into 1-d)
-    tdt = _BY_NUMPY.get(a.dtype)
+    tdt = _BY_NAME.get(ML_DTYPES.name_of(a.dtype) or "")
     try:
         if tdt is not None:
             int_dt = _BIT_VIEWS[tdt][0]

@@ -15,11 +15,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from pitstop.core.errors import UnsupportedStateError
+from pitstop.core.format.dtypes import ML_DTYPES
 from pitstop.core.save.lazy import fence_all
 from pitstop.core.tree import ArrayLeaf
 
@@ -38,18 +38,26 @@ for _name, _np in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.u
     if hasattr(torch, _name):
         _DIRECT[getattr(torch, _name)] = np.dtype(_np)
 
-#: torch dtype -> (same-width integer dtype to view through, ml_dtypes dtype)
-_BITS: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {
-    torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
-}
+#: torch dtype -> (same-width integer dtype to view through, the ml_dtypes type's name); the
+#: ml_dtypes type itself is looked up at the first such tensor (see core.format.dtypes)
+_BIT_NAMES: dict[torch.dtype, tuple[torch.dtype, str]] = {torch.bfloat16: (torch.int16, "bfloat16")}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
               "float8_e8m0fnu"):
-    if hasattr(torch, _name) and hasattr(ml_dtypes, _name):
-        _BITS[getattr(torch, _name)] = (torch.uint8, np.dtype(getattr(ml_dtypes, _name)))
+    if hasattr(torch, _name):
+        _BIT_NAMES[getattr(torch, _name)] = (torch.uint8, _name)
+_TORCH_OF_ML: dict[str, torch.dtype] = {name: t for t, (_i, name) in _BIT_NAMES.items()}
 
 _NP_INT = {torch.int16: np.dtype(np.int16), torch.uint8: np.dtype(np.uint8)}
 _TORCH_OF_NP: dict[np.dtype, torch.dtype] = {v: k for k, v in _DIRECT.items()}
-_TORCH_OF_NP.update({np_dt: t for t, (_i, np_dt) in _BITS.items()})
+
+
+def _bits(dtype: torch.dtype) -> tuple[torch.dtype, np.dtype] | None:
+    """(the integer dtype to view through, the numpy dtype) of a torch dtype numpy has no
+    type for but ml_dtypes has, else None."""
+    entry = _BIT_NAMES.get(dtype)
+    if entry is None or entry[1] not in ML_DTYPES:
+        return None
+    return entry[0], ML_DTYPES[entry[1]]
 
 
 def named(where: str, what: str = "tensor") -> str:
@@ -62,8 +70,9 @@ def numpy_dtype(dtype: torch.dtype, where: str = "") -> np.dtype:
     """The numpy dtype a tensor of ``dtype`` is saved as; raises for dtypes numpy cannot hold."""
     if dtype in _DIRECT:
         return _DIRECT[dtype]
-    if dtype in _BITS:
-        return _BITS[dtype][1]
+    bits = _bits(dtype)
+    if bits is not None:
+        return bits[1]
     raise UnsupportedStateError(
         f"{named(where)} has dtype {dtype}, which pitstop cannot save bit-exactly (no numpy or "
         "ml_dtypes equivalent). Convert it first, e.g. complex32 -> .to(torch.complex64), a "
@@ -72,12 +81,13 @@ def numpy_dtype(dtype: torch.dtype, where: str = "") -> np.dtype:
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     """Inverse of :func:`numpy_dtype`."""
-    try:
-        return _TORCH_OF_NP[np.dtype(dtype)]
-    except KeyError:
+    dtype = np.dtype(dtype)
+    found = _TORCH_OF_NP.get(dtype) or _TORCH_OF_ML.get(ML_DTYPES.name_of(dtype) or "")
+    if found is None:
         raise UnsupportedStateError(
             f"the checkpoint holds an array of numpy dtype {dtype}, which has no torch "
-            "equivalent; restore it into a numpy array instead of a tensor") from None
+            "equivalent; restore it into a numpy array instead of a tensor")
+    return found
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -87,7 +97,7 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    bits = _BITS.get(t.dtype)
+    bits = _bits(t.dtype)
     if bits is not None:
         return t.view(bits[0]).numpy().view(bits[1])
     return t.numpy()
@@ -96,7 +106,7 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
 def from_numpy(a: np.ndarray) -> torch.Tensor:
     """A tensor sharing ``a``'s memory (any supported dtype, incl. bfloat16 and float8)."""
     dt = torch_dtype(a.dtype)
-    bits = _BITS.get(dt)
+    bits = _bits(dt)
     if bits is not None:
         return torch.from_numpy(a.view(_NP_INT[bits[0]])).view(dt)
     return torch.from_numpy(a)
