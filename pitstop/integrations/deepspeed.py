@@ -38,6 +38,7 @@ import torch
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from pitstop.adapters import Adapter, register_adapter
 from pitstop.core.errors import IncompatibleTargetError, InvalidArgumentError, UnsupportedStateError
 from pitstop.interop.deepspeed import SCALER_FIELDS
 
@@ -69,15 +70,23 @@ class _Progress:
                                                (bool, int, float))}
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def check(self, sd: Any) -> None:
+        """Refuse another data-parallel world or ZeRO stage (before anything is restored)."""
+        if not isinstance(sd, dict):
+            raise IncompatibleTargetError(
+                f"the checkpoint holds a {type(sd).__name__} here, not a DeepSpeed engine's "
+                "progress; restore it into the state that saved it")
         dp, stage = self._where()
         saved_dp, saved_stage = sd.get("dp_world_size", dp), sd.get("zero_stage", stage)
         if (saved_dp, saved_stage) != (dp, stage):
             raise IncompatibleTargetError(
-                f"this DeepSpeed checkpoint was saved by {saved_dp} data-parallel ranks with "
-                f"ZeRO stage {saved_stage}; this engine has {dp} with stage {stage}. ZeRO "
-                "partitions restore into the layout that saved them: resume with the same "
-                "number of ranks and the same zero_optimization.stage")
+                f"this DeepSpeed checkpoint was saved by {saved_dp} data-parallel rank(s) "
+                f"with ZeRO stage {saved_stage}; this engine has {dp} with stage {stage}. "
+                "ZeRO partitions restore into the layout that saved them: resume with the "
+                "same number of ranks and the same zero_optimization.stage")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.check(sd)
         for k in _COUNTERS:
             if k in sd:
                 setattr(self._engine, k, int(sd[k]))
@@ -87,6 +96,25 @@ class _Progress:
                 live = getattr(scaler, k)
                 setattr(scaler, k, torch.tensor(v, dtype=live.dtype, device=live.device)
                         if isinstance(live, torch.Tensor) else v)
+
+
+class _ProgressAdapter(Adapter):
+    """pitstop's view of :class:`_Progress`: values, checked before any byte is restored."""
+
+    def can_handle(self, obj: Any) -> bool:
+        return isinstance(obj, _Progress)
+
+    def capture(self, obj: _Progress) -> Any:
+        return obj.state_dict()
+
+    def check(self, obj: _Progress, tree: Any) -> None:
+        obj.check(tree)
+
+    def apply(self, obj: _Progress, tree: Any) -> None:
+        obj.load_state_dict(tree)
+
+
+register_adapter(_ProgressAdapter())
 
 
 def _plain(v: Any) -> Any:
@@ -139,14 +167,14 @@ def engine_state(engine: Any, *, client_state: MutableMapping[str, Any] | None =
             "...)) has no position pitstop can save, so a resume would restart its epoch. "
             "Iterate a pitstop.adapters.torch.ResumableLoader over the same dataset instead "
             "and put it in the state.", stacklevel=2)
-    state: dict[str, Any] = {"module": engine.module}
+    # progress first: its check (world size, stage) is the clearest refusal
+    state: dict[str, Any] = {"progress": _Progress(engine, zero), "module": engine.module}
     if base is not None:
         state["optimizer"] = base
     if zero is not None:
         state["fp32_groups"] = list(zero.single_partition_of_fp32_groups)
     if engine.lr_scheduler is not None:
         state["lr_scheduler"] = engine.lr_scheduler
-    state["progress"] = _Progress(engine, zero)
     if client_state is not None:
         state["client_state"] = client_state
     return state

@@ -38,11 +38,12 @@ from pitstop.core.errors import (
     UnsupportedStateError,
 )
 from pitstop.interop.common import PathLike, refuse_existing, write_import
+from pitstop.interop.detect import deepspeed_tag_dir
 from pitstop.interop.torch_save import _reason, _torch_to_numpy_tree
 
 log = logging.getLogger("pitstop")
 
-__all__ = ["import_deepspeed", "is_deepspeed", "KEYS", "SCALER_FIELDS"]
+__all__ = ["import_deepspeed", "KEYS", "SCALER_FIELDS"]
 
 #: the entries of an engine's state (:func:`pitstop.integrations.deepspeed.engine_state`)
 KEYS = ("module", "optimizer", "fp32_groups", "lr_scheduler", "progress", "client_state")
@@ -79,28 +80,6 @@ def _allowed() -> list[Any]:
             (holders[1], "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
             (holders[2], "deepspeed.utils.tensor_fragment.fragment_address"),
             (_stage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
-
-
-def is_deepspeed(src: str) -> bool:
-    """A directory ``engine.save_checkpoint`` wrote: a ``latest`` file naming a folder that
-    holds ``mp_rank_00_model_states.pt``, or such a tag folder itself."""
-    return _tag_dir(src) is not None
-
-
-def _tag_dir(src: str, tag: str | None = None) -> str | None:
-    if tag is not None:
-        d = os.path.join(src, tag)
-        return d if os.path.isfile(os.path.join(d, "mp_rank_00_model_states.pt")) else None
-    if os.path.isfile(os.path.join(src, "mp_rank_00_model_states.pt")):
-        return src
-    try:
-        with open(os.path.join(src, "latest"), encoding="utf-8") as f:
-            named = f.read(4096).strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if not named or "/" in named or named in (".", ".."):
-        return None
-    return _tag_dir(src, named)
 
 
 def _load(path: str) -> Any:
@@ -224,28 +203,33 @@ def _plain_optimizer(tag_dir: str, sd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def import_deepspeed(src: PathLike, directory: PathLike, step: int | None = None, *,
-                     tag: str | None = None, metrics: Mapping[str, Any] | None = None) -> int:
+                     tag: str | None = None, key: str | None = "engine",
+                     metrics: Mapping[str, Any] | None = None) -> int:
     """Import the DeepSpeed checkpoint in ``src`` (the ``save_dir`` of
     ``engine.save_checkpoint``; ``tag`` picks one, default the one ``latest`` names; a tag
     folder itself works too) as committed pitstop checkpoint ``step`` of ``directory``
     (default: the checkpoint's ``global_steps - 1``, the index of the last step it trained,
-    the step a pitstop loop would have saved it at). Returns the step.
+    the step a pitstop loop would have saved it at). The engine's state is put under
+    ``key`` of the checkpoint (``"engine"``: restore it as ``{"engine": engine_state(engine),
+    ...}``; None: at its root). Returns the step.
 
     Raises :class:`pitstop.CheckpointNotFoundError` when ``src`` holds no DeepSpeed
     checkpoint, :class:`pitstop.UnsupportedStateError` for a layout pitstop does not import
     (several ranks, pipeline, ZeRO-3), :class:`pitstop.StepExistsError` when ``step`` is
     already there."""
     source = os.fspath(src)
-    tag_dir = _tag_dir(source, tag)
+    tag_dir = deepspeed_tag_dir(source, tag)
     if tag_dir is None:
         raise CheckpointNotFoundError(
             f"{source}: no DeepSpeed checkpoint there (a 'latest' file naming a folder with "
             f"mp_rank_00_model_states.pt{'' if tag is None else f', or a folder {tag!r}'}); "
             "give the save_dir of engine.save_checkpoint")
     if step is not None:
-        key = refuse_existing(directory, step)
+        encryption = refuse_existing(directory, step)
     tree, global_steps = _tree(tag_dir)
     if step is None:
         step = max(global_steps - 1, 0)
-        key = refuse_existing(directory, step)
-    return write_import(_torch_to_numpy_tree(tree), directory, step, metrics, key)
+        encryption = refuse_existing(directory, step)
+    state = _torch_to_numpy_tree(tree)
+    return write_import(state if key is None else {key: state}, directory, step, metrics,
+                        encryption)

@@ -31,6 +31,7 @@ def init_distributed() -> None:
 def build(stage: int, *, seed: int = 0, dataloader: bool = False) -> Any:
     """``(engine, loader)``: the weights of ``seed``, always the same data and shuffle."""
     import deepspeed
+
     from pitstop.adapters.torch import ResumableLoader
 
     g = torch.Generator().manual_seed(0)  # the same data whatever the seed
