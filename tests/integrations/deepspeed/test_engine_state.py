@@ -18,7 +18,7 @@ def _state(engine, loader, client=None):
             "rng": pitstop.RNG()}
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0])  # ZeRO-2: test_kill_resume; ZeRO-1: test_import
 def test_restore_resumes_bitwise(ds_dist, tmp_path, stage):
     """Saved at step 3 of 8, restored into an engine built from other weights: the steps
     after it, the weights, moments, fp32 partitions, lr and counters are the reference's."""
