@@ -35,15 +35,25 @@ def saved(ds_dist, tmp_path_factory):
 
 
 def test_import_restores_the_engine_deepspeed_saved(saved, tmp_path):
+    """docs/migration.md's DeepSpeed rows, side by side: DeepSpeed's own load_checkpoint
+    and pitstop's import + restore give the engine DeepSpeed saved, bit for bit."""
     src, want = saved
     assert (src / "latest").read_text().strip() == "global_step3"
     assert import_deepspeed(src, tmp_path / "run") == 2  # the index of the last step run
-    engine, loader = h.build(1, seed=5)
+    engine, _ = h.build(1, seed=5)
     client: dict = {}
     with pitstop.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
         assert mgr.restore({"engine": engine_state(engine, client_state=client)}) == 2
     h.assert_same(want, h.snapshot(engine))
     assert client == {"epoch": 2, "note": "x"}
+
+    theirs, _ = h.build(1, seed=6)
+    path, their_client = theirs.load_checkpoint(str(src))
+    assert path is not None and {k: their_client[k] for k in client} == client
+    got = h.snapshot(theirs)
+    # DeepSpeed does not save micro_steps (it restarts at 0); pitstop keeps the saved run's
+    assert got.pop("counters")[:3].tolist() == want["counters"][:3].tolist()
+    h.assert_same({k: v for k, v in want.items() if k != "counters"}, got)
 
 
 def test_cli_import_and_wrong_places(saved, tmp_path, capsys):
