@@ -81,6 +81,8 @@ def test_other_stage_or_world_is_refused_before_anything_changes(ds_dist, tmp_pa
 
 
 def test_misuse_is_said(ds_dist):
+    """Not an engine, a DeepSpeed dataloader (no position), a client_state that is not a
+    dict, ZeRO-3: each said by name."""
     with pytest.raises(pitstop.InvalidArgumentError, match="deepspeed.initialize"):
         engine_state(torch.nn.Linear(2, 2))
     engine, loader = h.build(0, dataloader=True)
@@ -90,3 +92,11 @@ def test_misuse_is_said(ds_dist):
     assert any("training_dataloader" in str(w.message) for w in said)
     with pytest.raises(pitstop.InvalidArgumentError, match="client_state"):
         engine_state(engine, client_state=[1])
+    import deepspeed
+
+    model = torch.nn.Linear(4, 4)
+    zero3, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+    with pytest.raises(pitstop.UnsupportedStateError, match="Stage3.*stages 1 and 2"):
+        engine_state(zero3)
