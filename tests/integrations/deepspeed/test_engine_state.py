@@ -100,3 +100,22 @@ def test_misuse_is_said(ds_dist):
         config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
     with pytest.raises(pitstop.UnsupportedStateError, match="Stage3.*stages 1 and 2"):
         engine_state(zero3)
+
+
+def test_nonfinite_guard_rolls_the_engine_back(ds_dist, tmp_path):
+    """A step that blew up (NaN in the ZeRO master weights) is saved flagged; rollback()
+    puts the engine back at the newest finite step, counters included."""
+    engine, loader = h.build(1)
+    state = _state(engine, loader)
+    with pitstop.CheckpointManager(tmp_path, save_every_steps=1, on_busy="wait",
+                                   nonfinite_guard=True) as mgr:
+        h.train(engine, loader, mgr, state, 3)
+        mgr.wait()
+        want = h.snapshot(engine)
+        engine.optimizer.single_partition_of_fp32_groups[0].data[0] = float("nan")
+        engine.global_steps += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pitstop says the save holds a NaN
+            mgr.save(3, state).wait()
+        assert mgr.rollback(state) == 2
+    h.assert_same(want, h.snapshot(engine))
