@@ -60,7 +60,8 @@ def train(engine: Any, loader: Any, mgr: Any, state: Any, total: int,
     ``{step: loss}`` of the steps run here, where a step's loss is its micro-batches' sum.
     Prints ``step N`` after pitstop's step call of each (the killer waits for it)."""
     restored = mgr.restore(state)
-    assert (restored is None) == (engine.global_steps == 0), (restored, engine.global_steps)
+    if restored is not None:  # the engine's counters came back with the step
+        assert engine.global_steps == restored + 1, (restored, engine.global_steps)
     losses: dict[int, float] = {}
     acc = 0.0
     while engine.global_steps < total:

@@ -84,3 +84,20 @@ def test_a_hostile_pickle_is_refused(saved, tmp_path):
     with pytest.raises(pitstop.UnsupportedStateError, match="does not unpickle"):
         import_deepspeed(tmp_path / "bad", tmp_path / "z")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "z").exists()
+
+
+def test_import_of_stage_0(ds_dist, tmp_path):
+    """ZeRO off: the optimizer is in the model file; tag= picks a checkpoint, a tag folder
+    itself imports too."""
+    engine, loader = h.build(0)
+    h.train(engine, loader, _NoSave(), {}, 2)
+    engine.save_checkpoint(str(tmp_path / "ds"), tag="first")
+    want = h.snapshot(engine)
+    h.train(engine, loader, _NoSave(), {}, 3)
+    engine.save_checkpoint(str(tmp_path / "ds"))  # global_step3, now the latest
+    assert import_deepspeed(tmp_path / "ds", tmp_path / "run", tag="first") == 1
+    assert import_deepspeed(tmp_path / "ds" / "global_step3", tmp_path / "run") == 2
+    fresh, _ = h.build(0, seed=4)
+    with pitstop.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        assert mgr.restore({"engine": engine_state(fresh)}, step=1) == 1
+    h.assert_same(want, h.snapshot(fresh))
