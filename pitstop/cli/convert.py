@@ -29,9 +29,10 @@ from pitstop.interop.npz import read_npz, relative
 from pitstop.interop.safetensors import read_safetensors
 
 EXPORTS = ("npz", "safetensors", "torch", "orbax", "tf")
-IMPORTS = ("torch", "dcp", "tf", "orbax", "safetensors", "npz")
+IMPORTS = ("torch", "dcp", "deepspeed", "tf", "orbax", "safetensors", "npz")
 _EXT = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt", "orbax": "-orbax"}
 _TORCH_EXTRA = "pip install 'pitstop[torch]'"
+_NAMES = {"orbax": "Orbax", "deepspeed": "DeepSpeed"}
 
 EXPORT_EPILOG = """\
 formats: npz (numpy only), safetensors and torch (need torch), orbax (needs jax and
@@ -44,7 +45,8 @@ example:
 
 IMPORT_EPILOG = """\
 formats (--from; guessed from SRC when not given): torch (a torch.save file), dcp (a
-torch.distributed.checkpoint directory), tf (a native TensorFlow checkpoint prefix),
+torch.distributed.checkpoint directory), deepspeed (the save_dir of a DeepSpeed
+engine.save_checkpoint: its "latest" checkpoint), tf (a native TensorFlow checkpoint prefix),
 orbax (an Orbax CheckpointManager directory or one checkpoint), safetensors, npz.
 A TensorFlow directory (with its "checkpoint" file) imports its newest checkpoint.
 
@@ -72,7 +74,7 @@ def add_parsers(sub: Any) -> None:
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser(
-        "import", help="turn a torch.save file, DCP, TensorFlow, Orbax, safetensors or npz "
+        "import", help="turn a torch.save file, DCP, DeepSpeed, TensorFlow, Orbax, safetensors or npz "
         "checkpoint into a pitstop checkpoint",
         description="Import SRC as a committed checkpoint of the run directory DEST "
         "(created if needed); an existing step of DEST is never overwritten.",
@@ -80,10 +82,10 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("src", metavar="SRC")
     s.add_argument("dest", metavar="DEST")
     s.add_argument("--from", dest="fmt", metavar="FORMAT",
-                   help="torch, dcp, tf, orbax, safetensors or npz (default: guessed)")
+                   help="torch, dcp, deepspeed, tf, orbax, safetensors or npz (default: guessed)")
     s.add_argument("--step", type=int, metavar="N",
                    help="the step to write (default: the step SRC records, TensorFlow's "
-                   "save counter, Orbax's own steps; else 0)")
+                   "save counter, Orbax's own steps, DeepSpeed's global_steps - 1; else 0)")
     s.add_argument("--key", metavar="KEY", help="import one entry of SRC only")
     s.add_argument("--keep-prefixes", action="store_true",
                    help="torch, dcp: keep a 'module.' prefix every key of a module state "
@@ -269,7 +271,7 @@ def _export_framework(fmt: str, directory: str, step: int, out: str, key: str | 
 # ====================================================================== import
 def _framework_missing(fmt: str, e: ImportError) -> Any:
     cli = _cli()
-    extra = {"torch": _TORCH_EXTRA, "dcp": _TORCH_EXTRA, "tf": "pip install 'pitstop[tf]'",
+    extra = {"torch": _TORCH_EXTRA, "dcp": _TORCH_EXTRA, "deepspeed": _TORCH_EXTRA, "tf": "pip install 'pitstop[tf]'",
              "orbax": "pip install 'pitstop[jax]'"}[fmt]
     return cli.CliError(f"importing a {fmt} checkpoint needs its framework ({e}); {extra}")
 
@@ -359,9 +361,9 @@ def cmd_import(args: argparse.Namespace) -> int:
                                f"{', '.join(IMPORTS)})")
     if args.step is not None and not 0 <= args.step <= MAX_STEP:
         raise cli.CliError(f"--step {args.step}: steps are integers from 0 to {MAX_STEP}")
-    if args.key is not None and fmt == "orbax":
-        raise cli.CliError("--key is not supported for Orbax imports; import the whole "
-                           "checkpoint (pitstop export --key can pick an entry later)")
+    if args.key is not None and fmt in ("orbax", "deepspeed"):
+        raise cli.CliError(f"--key is not supported for {_NAMES[fmt]} imports; import the "
+                           "whole checkpoint (pitstop export --key can pick an entry later)")
     _check_dest(dest)
     cli._encryption()
     if args.keep_prefixes and fmt not in ("torch", "dcp"):
@@ -450,6 +452,17 @@ def _import(fmt: str, src: str, dest: str, step: int | None, key: str | None,
                 raise _cli().CliError(f"{src}: not a directory; a DCP checkpoint is a "
                                       "directory holding .metadata")
             return [import_dcp(src, dest, s, key=key, strip_prefixes=strip)]
+    if fmt == "deepspeed":
+        try:
+            from pitstop.interop.deepspeed import import_deepspeed
+        except ImportError as e:
+            raise _framework_missing(fmt, e) from None
+        if not os.path.isdir(src):
+            raise _cli().CliError(f"{src}: not a directory; a DeepSpeed checkpoint is the "
+                                  "save_dir of engine.save_checkpoint")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch(\.|$)")
+            return [import_deepspeed(src, dest, step)]
     if fmt == "tf":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         try:

@@ -1,5 +1,5 @@
 """What format a file or directory to import is in, told from its files alone (no
-framework imported): DCP, Orbax, native TensorFlow, npz, safetensors, torch.save; and the
+framework imported): DCP, DeepSpeed, Orbax, native TensorFlow, npz, safetensors, torch.save; and the
 pitstop and Keras files that ``pitstop import`` refuses by name."""
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def detect(src: str) -> str | None:
     if os.path.isdir(src):
         if os.path.isfile(os.path.join(src, ".metadata")):
             return "dcp"
+        if deepspeed_tag_dir(src) is not None:
+            return "deepspeed"
         if is_orbax(src):
             return "orbax"
         return "tf" if tf_latest(src) else None
@@ -86,6 +88,25 @@ def detect(src: str) -> str | None:
     if head[:1] == b"\x80" and src.endswith((".pt", ".pth", ".bin", ".ckpt")):
         return "torch"  # a legacy (pre-zip) torch.save file
     return None
+
+
+def deepspeed_tag_dir(src: str, tag: str | None = None) -> str | None:
+    """The folder of the DeepSpeed checkpoint in ``src`` (what ``engine.save_checkpoint``
+    wrote): ``src/tag``, else the folder its ``latest`` file names, else ``src`` itself,
+    when it holds ``mp_rank_00_model_states.pt``; None otherwise."""
+    if tag is not None:
+        d = os.path.join(src, tag)
+        return d if os.path.isfile(os.path.join(d, "mp_rank_00_model_states.pt")) else None
+    if os.path.isfile(os.path.join(src, "mp_rank_00_model_states.pt")):
+        return src
+    try:
+        with open(os.path.join(src, "latest"), encoding="utf-8") as f:
+            named = f.read(4096).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not named or "/" in named or named in (".", ".."):
+        return None
+    return deepspeed_tag_dir(src, named)
 
 
 def tf_latest(directory: str) -> str | None:
