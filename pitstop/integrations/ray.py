@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,11 +65,6 @@ def _world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if _world()[1] > 1:
-        torch.distributed.barrier()
 
 
 def _s3_options(fs: Any) -> dict[str, Any]:
@@ -203,9 +199,9 @@ class Checkpointing:
         """
         if checkpoint is None and self._ray:
             checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None and self._own_step(checkpoint) is None:
-            step = self._migrate(checkpoint, torch_step)
-            restored = self.manager.restore(self.state, step=step, strict=False)
+        if checkpoint is not None and self._own_step(checkpoint) is None and \
+                self.manager.latest_step() is None:
+            restored = self._migrate(checkpoint, torch_step)
         else:
             restored = self.manager.restore(self.state, strict=strict)
             own = None if checkpoint is None else self._own_step(checkpoint)
@@ -219,8 +215,9 @@ class Checkpointing:
         return self.restored
 
     def _migrate(self, checkpoint: Checkpoint, torch_step: int | None) -> int:
-        """Import a foreign checkpoint of Ray's (a ``torch.save`` file) into this directory
-        (rank 0 does, the others wait for it); return its step."""
+        """Restore a foreign checkpoint of Ray's (a ``torch.save`` file): each worker imports
+        it into a private temporary directory and restores from there (this run's own
+        directory gets its first checkpoint at the next save); return its step."""
         with checkpoint.as_directory() as folder:
             if os.path.exists(os.path.join(folder, "manifest.json")):
                 raise InvalidArgumentError(
@@ -235,9 +232,12 @@ class Checkpointing:
                     f"); found {sorted(os.listdir(folder))[:10]}. Restore it yourself, or "
                     "start without it")
             step = torch_step if torch_step is not None else _step_entry(files[0])
-            if _world()[0] == 0 and step not in self.manager.all_steps():
-                import_torch_save(files[0], self.directory, step=step)
-            _barrier()
+            with tempfile.TemporaryDirectory(prefix="pitstop-ray-import-") as tmp:
+                imported = os.path.join(tmp, "ckpt")
+                import_torch_save(files[0], imported, step=step)
+                with CheckpointManager(imported, read_only=True) as mgr:
+                    # what the file lacks (the loader's position, RNG streams) starts fresh
+                    mgr.restore(self.state, step=step, strict=False)
         return step
 
     # ---------------------------------------------------------------- report
