@@ -18,6 +18,7 @@ import threading
 import ray.train
 import ray.train.torch
 import torch
+from ray.train import Checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import pitstop
@@ -86,3 +87,60 @@ def train_func(config: dict) -> None:
         inner = model.module if hasattr(model, "module") else model
         torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict()},
                    os.path.join(out, "final.pt"))
+
+
+def native_func(config: dict) -> None:
+    """The same run through Ray's own checkpointing, as Ray's guide writes it: torch.save
+    into a temporary folder every ``save_every`` steps (and at the last), reported with
+    ``Checkpoint.from_directory``; the plain ``prepare_data_loader`` loader."""
+    import tempfile
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+    model = ray.train.torch.prepare_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    total = config["total_steps"]
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - 2)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[2])
+    loader = ray.train.torch.prepare_data_loader(
+        DataLoader(data, batch_size=4, shuffle=True, num_workers=0,
+                   generator=torch.Generator().manual_seed(0)))  # the global RNG untouched
+    rank = ray.train.get_context().get_world_rank()
+
+    def epochs():
+        epoch = 0
+        while True:
+            loader.sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    it = epochs()
+    for step in range(total):
+        loss_sum = 0.0
+        for micro in range(ACCUM):
+            x, y = next(it)
+            loss = torch.nn.functional.mse_loss(model(x), y) / ACCUM
+            if micro < ACCUM - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            loss_sum += loss.item()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        with open(os.path.join(config["out"], f"losses-r{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss_sum.hex(), "start": 0}) + "\n")
+        if step % config["save_every"] == 0 or step == total - 1:
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(),
+                                "optimizer": opt.state_dict(), "step": step},
+                               os.path.join(d, "checkpoint.pt"))
+                ray.train.report({"loss": loss_sum, "step": step},
+                                 checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+        else:
+            ray.train.report({"loss": loss_sum, "step": step})

@@ -39,11 +39,12 @@ def cluster():
     ray.shutdown()
 
 
-def fit(storage_path: str, name: str, out, *, filesystem=None, **extra):
+def fit(storage_path: str, name: str, out, *, filesystem=None, func=ray_loop.train_func,
+        **extra):
     os.makedirs(out, exist_ok=True)
     config = {"out": str(out), "total_steps": TOTAL, "save_every": SAVE_EVERY, **extra}
     trainer = TorchTrainer(
-        ray_loop.train_func, train_loop_config=config,
+        func, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(storage_path=storage_path, name=name, storage_filesystem=filesystem,
                              failure_config=FailureConfig(max_failures=2),
@@ -135,3 +136,47 @@ def test_worker_sigkilled_mid_run_on_s3_resumes_bitwise(reference, moto, tmp_pat
             storage_options={"endpoint_url": moto.endpoint, "key": "pitstop-test",
                              "secret": "pitstop-test"}) as mgr:
         assert TOTAL - 1 in mgr.all_steps() and mgr.metadata(TOTAL - 1).world == 2
+
+
+@pytest.fixture(scope="module")
+def native(cluster, tmp_path_factory):
+    """The same run through Ray's own checkpointing (torch.save + report)."""
+    out = tmp_path_factory.mktemp("native")
+    result = fit(str(out / "storage"), "native", out / "out", func=ray_loop.native_func)
+    return out, result
+
+
+def fresh_model_and_opt():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_rays_own_checkpointing_and_pitstops_agree(reference, native, tmp_path):
+    """docs/migration.md's Ray rows: the same run through torch.save + ray.train.report and
+    through Checkpointing: the same losses, the same steps kept by num_to_keep, the same
+    values in the last checkpoint; and the torch.save checkpoint continued under pitstop."""
+    from ray.train import Checkpoint
+
+    (ref_out, ref), (nat_out, nat) = reference, native
+    assert nat.error is None
+    for rank in (0, 1):
+        assert losses(nat_out / "out", rank) == losses(ref_out / "out", rank)
+    assert [m["step"] for _, m in nat.best_checkpoints] == \
+        [m["step"] for _, m in ref.best_checkpoints] == [9, 11]
+
+    # the migration: Ray's torch.save checkpoint restored through Checkpointing ...
+    from pitstop.integrations.ray import Checkpointing
+
+    model, opt = fresh_model_and_opt()
+    with Checkpointing({"model": model, "optimizer": opt}, tmp_path / "continued") as ckpt:
+        assert ckpt.restore(Checkpoint(nat.checkpoint.path)) == TOTAL - 1
+    # ... holds what pitstop's own checkpoint of the same step holds
+    want_model, want_opt = fresh_model_and_opt()
+    with pitstop.CheckpointManager(os.path.dirname(ref.checkpoint.path), read_only=True) as mgr:
+        mgr.restore({"model": want_model, "optimizer": want_opt}, step=TOTAL - 1,
+                    strict=False)
+    for k, v in want_model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt.state_dict()["state"][0][k], want_opt.state_dict()["state"][0][k])
