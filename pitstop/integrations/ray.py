@@ -89,22 +89,37 @@ def _s3_options(fs: Any) -> dict[str, Any]:
     return options
 
 
-def _run_location() -> tuple[str, Any, dict[str, Any]]:
-    """(pitstop directory, Ray's file system, storage options) of this Ray run's checkpoints."""
+def _url(fs: Any, fs_path: str, what: str) -> tuple[str, dict[str, Any]]:
+    """(the URL pitstop opens, its storage options) of ``fs_path`` on Ray's file system."""
     import pyarrow.fs
 
+    if isinstance(fs, pyarrow.fs.LocalFileSystem) or fs is None:
+        return fs_path, {}
+    if isinstance(fs, pyarrow.fs.S3FileSystem):
+        return f"s3://{fs_path}", _s3_options(fs)
+    raise InvalidArgumentError(
+        f"pitstop.integrations.ray: {what} ({type(fs).__name__}, {fs_path!r}) is neither a "
+        "local path nor s3://, whose URL pitstop can tell; pass Checkpointing(state, "
+        "directory=<that folder as a URL pitstop opens, e.g. gs://bucket/run/pitstop>)")
+
+
+def _run_location() -> tuple[str, Any, dict[str, Any]]:
+    """(pitstop directory, Ray's file system, storage options) of this Ray run's checkpoints."""
     storage = ray.train.get_context().get_storage()
     fs, base = storage.storage_filesystem, storage.experiment_fs_path.rstrip("/")
-    fs_path = f"{base}/{SUBDIR}"
-    if isinstance(fs, pyarrow.fs.LocalFileSystem):
-        return fs_path, fs, {}
-    if isinstance(fs, pyarrow.fs.S3FileSystem):
-        return f"s3://{fs_path}", fs, _s3_options(fs)
-    raise InvalidArgumentError(
-        f"pitstop.integrations.ray: the run's storage ({type(fs).__name__}, "
-        f"{storage.storage_path!r}) is neither a local path nor s3://, whose URL pitstop can "
-        "tell; pass Checkpointing(state, directory=<that folder as a URL pitstop opens, "
-        "e.g. gs://bucket/run/pitstop>) yourself")
+    directory, options = _url(fs, f"{base}/{SUBDIR}", "the run's storage")
+    return directory, fs, options
+
+
+def _check_in_run(directory: str) -> None:
+    """Ray registers only checkpoints under the run's folder: refuse another one now,
+    rather than at the first report."""
+    base = ray.train.get_context().get_storage().experiment_fs_path.rstrip("/")
+    if not (_fs_path(directory).rstrip("/") + "/").startswith(base + "/"):
+        raise InvalidArgumentError(
+            f"pitstop.integrations.ray.Checkpointing: directory {directory} is outside this "
+            f"Ray run's folder {base}, and Ray registers only checkpoints inside it; leave "
+            "directory out (it is <storage_path>/<name>/pitstop) or pass a folder under it")
 
 
 def _fs_path(directory: str) -> str:
@@ -151,8 +166,10 @@ class Checkpointing:
                 options["storage_options"] = {**s3, **options.get("storage_options", {})}
         elif self._ray:
             import pyarrow.fs
-            self._fs, _ = pyarrow.fs.FileSystem.from_uri(
-                directory if "://" in str(directory) else os.path.abspath(directory))
+            if "://" not in str(directory):
+                directory = os.path.abspath(directory)  # the worker's cwd is Ray's
+            self._fs, _ = pyarrow.fs.FileSystem.from_uri(str(directory))
+            _check_in_run(str(directory))
         self.directory = str(directory)
         # the training function runs on a thread of Ray's worker, where Python installs no
         # signal handler: Ray's own preemption path is the one (see docs/ray.md)
@@ -220,10 +237,7 @@ class Checkpointing:
         directory gets its first checkpoint at the next save); return its step."""
         with checkpoint.as_directory() as folder:
             if os.path.exists(os.path.join(folder, "manifest.json")):
-                raise InvalidArgumentError(
-                    f"pitstop.integrations.ray: {checkpoint.path} is a pitstop checkpoint of "
-                    f"another directory than this run's {self.directory}; restore it with "
-                    "Checkpointing(state, directory=<its parent folder>)")
+                return self._restore_foreign(checkpoint)
             files = sorted(f for p in TORCH_FILES for f in glob.glob(os.path.join(folder, p)))
             if not files:
                 raise CheckpointNotFoundError(
@@ -239,6 +253,24 @@ class Checkpointing:
                     # what the file lacks (the loader's position, RNG streams) starts fresh
                     mgr.restore(self.state, step=step, strict=False)
         return step
+
+    def _restore_foreign(self, checkpoint: Checkpoint) -> int:
+        """Restore a pitstop checkpoint of another run (``resume_from_checkpoint=`` an
+        earlier run's ``result.checkpoint``) from where it is, read-only; return its step.
+        Each worker reads the saving rank 0's view: state that differed between its ranks
+        (RNG streams) is rank 0's on every worker, a sampler keeps its own rank."""
+        parent, _, name = checkpoint.path.rstrip("/").rpartition("/")
+        rest = name[len(STEP_PREFIX):] if name.startswith(STEP_PREFIX) else ""
+        if not rest.isdigit():
+            raise InvalidArgumentError(
+                f"pitstop.integrations.ray: {checkpoint.path} is a pitstop checkpoint whose "
+                f"folder is not named {STEP_PREFIX}<step>; pass restore(checkpoint=...) the "
+                "checkpoint's own folder, as Ray reported it")
+        url, options = _url(checkpoint.filesystem, parent, "the checkpoint's storage")
+        with CheckpointManager(url, read_only=True, storage_options=options or None,
+                               step_prefix=STEP_PREFIX, step_digits=STEP_DIGITS) as mgr:
+            mgr.restore(self.state, step=int(rest))
+        return int(rest)
 
     # ---------------------------------------------------------------- report
     def report(self, metrics: Mapping[str, Any], *, step: int,

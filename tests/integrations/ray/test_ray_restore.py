@@ -71,10 +71,15 @@ def test_misuses_are_refused_with_what_to_do(tmp_path):
             ckpt.restore(Checkpoint.from_directory(str(empty)))
         ckpt.report({}, step=3, checkpoint=True)
         assert ckpt.path(3) == os.path.join(str(tmp_path / "b"), "step_0000000003")
-    # a pitstop checkpoint of another directory: said, with the fix
-    with Checkpointing({"model": model}, tmp_path / "c") as ckpt:
-        with pytest.raises(pitstop.InvalidArgumentError, match="another directory"):
-            ckpt.restore(Checkpoint.from_directory(str(tmp_path / "b" / "step_0000000003")))
+    # a pitstop checkpoint of another run (resume_from_checkpoint=result.checkpoint): read
+    # where it is, and this run's directory starts with the next save
+    other, _ = model_and_opt(5)
+    with Checkpointing({"model": other}, tmp_path / "c") as ckpt:
+        assert ckpt.restore(Checkpoint.from_directory(str(tmp_path / "b" / "step_0000000003"))) == 3
+        assert torch.equal(other.weight, model.weight)
+        ckpt.report({}, step=4, checkpoint=True)
+    with pitstop.CheckpointManager(tmp_path / "c", read_only=True) as mgr:
+        assert mgr.all_steps() == [4]
     # Ray's checkpoint of this directory, deleted behind Ray's back
     with Checkpointing({"model": model}, tmp_path / "b") as ckpt:
         gone = Checkpoint.from_directory(str(tmp_path / "b" / "step_0000000009"))
