@@ -3,6 +3,9 @@
 2 worker processes, dropout, gradient accumulation, AdamW and warm-up + cosine; pitstop's
 ``Checkpointing`` saves every ``save_every`` steps and reports to Ray every step.
 
+``native_func`` is the same run through Ray's own checkpointing (``torch.save`` +
+``ray.train.report``), uninterrupted: the reference the killed pitstop run is compared with.
+
 What the test compares is written to ``config["out"]``: ``losses-r<rank>.jsonl`` (one line
 per step, every attempt), ``final.pt`` (rank 0's weights and optimizer state at the end).
 With ``config["kill_step"]``, worker ``config["kill_rank"]`` of the first attempt writes its
@@ -144,3 +147,6 @@ def native_func(config: dict) -> None:
                                  checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
         else:
             ray.train.report({"loss": loss_sum, "step": step})
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()},
+                   os.path.join(config["out"], "final.pt"))

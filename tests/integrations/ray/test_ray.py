@@ -1,7 +1,13 @@
 """Ray Train 2.60 (Train V2) with pitstop's Checkpointing: one local Ray cluster for the
-module, an uninterrupted run on local disk, and the same run on the S3 test server with one
-worker process SIGKILLed at a random step; Ray restarts the worker group
-(FailureConfig(max_failures=2)) and the run ends bitwise where the uninterrupted one did."""
+module and two runs of the same training (tests/integrations/ray/ray_loop.py):
+
+* the reference: Ray's own checkpointing (torch.save + ray.train.report), uninterrupted, on
+  local disk;
+* pitstop's Checkpointing on the S3 test server, with one worker process SIGKILLed after a
+  random step: Ray restarts the worker group (FailureConfig(max_failures=2)) and the run
+  ends bitwise where the reference did, every step's loss equal.
+
+The same pitstop run on local disk is docs/ray.md's quickstart (tests/test_docs.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +25,15 @@ import ray.cloudpickle
 import ray_loop
 import s3_server
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import pitstop
+from pitstop.integrations.ray import Checkpointing
 
 moto = s3_server.moto  # the session's S3 server (tests/s3_server.py)
 TOTAL, SAVE_EVERY, KEEP = 12, 3, 2
+KEYS = {"key": "pitstop-test", "secret": "pitstop-test"}
 
 
 @pytest.fixture(scope="module")
@@ -63,27 +71,17 @@ def losses(out, rank: int) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    result = fit(str(out / "storage"), "ref", out / "out")
-    return out, result
-
-
-def test_uninterrupted_run_reports_pitstop_checkpoints_and_keeps_num_to_keep(reference):
-    out, result = reference
+def native(cluster, tmp_path_factory):
+    """The reference: the same run through Ray's own checkpointing, uninterrupted."""
+    out = tmp_path_factory.mktemp("native")
+    result = fit(str(out / "storage"), "native", out / "out", func=ray_loop.native_func)
     assert result.error is None
-    ckpt = result.checkpoint
-    # Ray's checkpoint of the last report is pitstop's checkpoint directory, nothing copied
-    assert ckpt.path == str(out / "storage" / "ref" / "pitstop" / f"step_{TOTAL - 1:010d}")
-    with pitstop.CheckpointManager(os.path.dirname(ckpt.path), read_only=True) as mgr:
-        assert mgr.all_steps() == [9, 11]  # num_to_keep=2 of 0, 3, 6, 9, 11
-        assert mgr.metadata(TOTAL - 1).world == 2
-    assert [c.path for c, _ in result.best_checkpoints] == [
-        str(out / "storage" / "ref" / "pitstop" / f"step_{s:010d}") for s in (9, 11)]
-    assert sorted(losses(out / "out", 0)) == list(range(TOTAL))
+    return out / "out", result
 
 
-def test_worker_sigkilled_mid_run_on_s3_resumes_bitwise(reference, moto, tmp_path):
+@pytest.fixture(scope="module")
+def killed(cluster, moto, tmp_path_factory):
+    """pitstop's run on the S3 server, one worker SIGKILLed after a random step."""
     import pyarrow.fs
 
     seed = random.randrange(1 << 30)
@@ -95,8 +93,8 @@ def test_worker_sigkilled_mid_run_on_s3_resumes_bitwise(reference, moto, tmp_pat
     fs = pyarrow.fs.S3FileSystem(endpoint_override=moto.endpoint.split("://")[1],
                                  scheme="http", region="us-east-1",
                                  access_key="pitstop-test", secret_key="pitstop-test")
-    out = tmp_path / "out"
-    killed: list[int] = []
+    out = tmp_path_factory.mktemp("killed") / "out"
+    pids: list[int] = []
 
     def killer() -> None:
         pid_file = out / "pid"
@@ -104,46 +102,48 @@ def test_worker_sigkilled_mid_run_on_s3_resumes_bitwise(reference, moto, tmp_pat
         while not pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # waiting for the state: the worker wrote its pid
         if pid_file.exists():
-            killed.append(int(pid_file.read_text()))
-            os.kill(killed[0], signal.SIGKILL)
+            pids.append(int(pid_file.read_text()))
+            os.kill(pids[0], signal.SIGKILL)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     result = fit(f"{bucket}/runs", "killed", out, filesystem=fs,
                  kill_step=kill_step, kill_rank=kill_rank)
     thread.join(5)
-    assert killed, "the worker never reached the kill step"
+    assert pids, "the worker never reached the kill step"
     assert result.error is None
+    url = f"s3://{bucket}/runs/killed/pitstop"
+    return out, result, url, {"endpoint_url": moto.endpoint, **KEYS}
 
+
+def test_worker_sigkilled_mid_run_resumes_bitwise(native, killed):
+    (ref_out, _), (out, _, _, _) = native, killed
     # the restarted group resumed from a saved step, not from the start
     starts = {json.loads(line)["start"] for line in open(out / "losses-r0.jsonl")}
     assert len(starts) == 2 and 0 in starts and max(starts) > 0, starts
-    ref_out = reference[0] / "out"
     for rank in (0, 1):
         assert losses(out, rank) == losses(ref_out, rank)
     got = torch.load(out / "final.pt", weights_only=True)
     want = torch.load(ref_out / "final.pt", weights_only=True)
     for k, v in want["model"].items():
         assert torch.equal(got["model"][k], v), k
+    assert want["optimizer"]["state"]
     for i, s in want["optimizer"]["state"].items():
         for k, v in s.items():
             assert torch.equal(got["optimizer"]["state"][i][k], v), (i, k)
 
-    # Ray's checkpoint is the pitstop checkpoint on the S3 server
-    assert result.checkpoint.path == f"{bucket}/runs/killed/pitstop/step_{TOTAL - 1:010d}"
-    with pitstop.CheckpointManager(
-            f"s3://{bucket}/runs/killed/pitstop", read_only=True,
-            storage_options={"endpoint_url": moto.endpoint, "key": "pitstop-test",
-                             "secret": "pitstop-test"}) as mgr:
-        assert TOTAL - 1 in mgr.all_steps() and mgr.metadata(TOTAL - 1).world == 2
 
-
-@pytest.fixture(scope="module")
-def native(cluster, tmp_path_factory):
-    """The same run through Ray's own checkpointing (torch.save + report)."""
-    out = tmp_path_factory.mktemp("native")
-    result = fit(str(out / "storage"), "native", out / "out", func=ray_loop.native_func)
-    return out, result
+def test_rays_checkpoint_is_the_pitstop_checkpoint_on_s3(killed):
+    _, result, url, options = killed
+    bucket_path = url.split("://")[1]
+    # Ray's checkpoint of the last report is pitstop's checkpoint directory, nothing copied
+    assert result.checkpoint.path == f"{bucket_path}/step_{TOTAL - 1:010d}"
+    assert [c.path for c, _ in result.best_checkpoints] == [
+        f"{bucket_path}/step_{s:010d}" for s in (9, 11)]  # num_to_keep=2 of 0, 3, 6, 9, 11
+    with pitstop.CheckpointManager(url, read_only=True, storage_options=options) as mgr:
+        steps = mgr.all_steps()
+        assert {9, 11} <= set(steps) and 0 not in steps, steps  # Ray deleted what it evicted
+        assert mgr.metadata(TOTAL - 1).world == 2
 
 
 def fresh_model_and_opt():
@@ -152,28 +152,20 @@ def fresh_model_and_opt():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def test_rays_own_checkpointing_and_pitstops_agree(reference, native, tmp_path):
+def test_rays_own_checkpointing_and_pitstops_agree(native, killed, tmp_path):
     """docs/migration.md's Ray rows: the same run through torch.save + ray.train.report and
-    through Checkpointing: the same losses, the same steps kept by num_to_keep, the same
-    values in the last checkpoint; and the torch.save checkpoint continued under pitstop."""
-    from ray.train import Checkpoint
-
-    (ref_out, ref), (nat_out, nat) = reference, native
-    assert nat.error is None
-    for rank in (0, 1):
-        assert losses(nat_out / "out", rank) == losses(ref_out / "out", rank)
+    through Checkpointing: the same steps kept by num_to_keep, the same values in the last
+    checkpoint (the losses: above); and the torch.save checkpoint continued under pitstop."""
+    (_, nat), (_, ours, url, options) = native, killed
     assert [m["step"] for _, m in nat.best_checkpoints] == \
-        [m["step"] for _, m in ref.best_checkpoints] == [9, 11]
-
+        [m["step"] for _, m in ours.best_checkpoints] == [9, 11]
     # the migration: Ray's torch.save checkpoint restored through Checkpointing ...
-    from pitstop.integrations.ray import Checkpointing
-
     model, opt = fresh_model_and_opt()
     with Checkpointing({"model": model, "optimizer": opt}, tmp_path / "continued") as ckpt:
         assert ckpt.restore(Checkpoint(nat.checkpoint.path)) == TOTAL - 1
     # ... holds what pitstop's own checkpoint of the same step holds
     want_model, want_opt = fresh_model_and_opt()
-    with pitstop.CheckpointManager(os.path.dirname(ref.checkpoint.path), read_only=True) as mgr:
+    with pitstop.CheckpointManager(url, read_only=True, storage_options=options) as mgr:
         mgr.restore({"model": want_model, "optimizer": want_opt}, step=TOTAL - 1,
                     strict=False)
     for k, v in want_model.state_dict().items():
