@@ -97,3 +97,15 @@ def test_resumable_loader_keeps_a_distributed_samplers_order():
     with pytest.raises(pitstop.InvalidArgumentError, match="WeightedRandomSampler"):
         resumable_loader(torch.utils.data.DataLoader(
             data, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 20, 20)))
+
+
+def test_nonfinite_guard_and_a_step_saved_twice(tmp_path):
+    model, _ = model_and_opt(0)
+    with Checkpointing({"model": model}, tmp_path / "g", save_every_steps=1,
+                       nonfinite_guard=True) as ckpt:
+        assert not ckpt.report({"loss": float("nan")}, step=0)  # metrics alone, no checkpoint
+        assert ckpt.report({"loss": 0.5}, step=1)
+        with pytest.raises(pitstop.StepExistsError, match="1"):
+            ckpt.report({"loss": 0.5}, step=1, checkpoint=True)
+    with pitstop.CheckpointManager(tmp_path / "g", read_only=True) as mgr:
+        assert mgr.all_steps() == [1]
