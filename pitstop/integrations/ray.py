@@ -218,11 +218,13 @@ class Checkpointing:
             checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None and self._own_step(checkpoint) is None and \
                 self.manager.latest_step() is None:
-            restored = self._migrate(checkpoint, torch_step)
+            restored: int | None = self._migrate(checkpoint, torch_step)
         else:
-            restored = self.manager.restore(self.state, strict=strict)
+            got = self.manager.restore(self.state, strict=strict)
+            restored = None if got is None else int(got)
             own = None if checkpoint is None else self._own_step(checkpoint)
-            if own is not None and (restored is None or restored < own):
+            if checkpoint is not None and own is not None and \
+                    (restored is None or restored < own):
                 raise CheckpointNotFoundError(
                     f"pitstop.integrations.ray: Ray's checkpoint {checkpoint.path} (step "
                     f"{own}) is not a valid pitstop checkpoint any more (newest valid one: "
@@ -350,13 +352,15 @@ def _from_loader(base: DataLoader, seed: int | None) -> ResumableLoader:
     sampler = base.sampler
     if isinstance(sampler, DistributedSampler):
         sampler_seed = sampler.seed if seed is None else seed
-        resumable = ResumableSampler(base.dataset, shuffle=sampler.shuffle, seed=sampler_seed,
+        resumable = ResumableSampler(base.dataset,  # type: ignore[arg-type]
+                                     shuffle=sampler.shuffle, seed=sampler_seed,
                                      num_replicas=sampler.num_replicas, rank=sampler.rank,
                                      drop_last=sampler.drop_last)
     elif isinstance(sampler, (RandomSampler, SequentialSampler)):
         sampler_seed = 0 if seed is None else seed
         rank, world = _world()
-        resumable = ResumableSampler(base.dataset, shuffle=isinstance(sampler, RandomSampler),
+        resumable = ResumableSampler(base.dataset,  # type: ignore[arg-type]
+                                     shuffle=isinstance(sampler, RandomSampler),
                                      seed=sampler_seed, num_replicas=world, rank=rank)
     else:
         raise InvalidArgumentError(
