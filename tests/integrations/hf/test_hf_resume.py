@@ -1,0 +1,135 @@
+"""pitstop.integrations.hf.Trainer: a real Trainer job killed and started again resumes
+exactly (issue 29).
+
+One scenario covers the list: a tiny GPT-2 with dropout, a shuffled dataset read by two
+worker processes, gradient accumulation 2, the linear schedule with warm-up, saves every 2
+steps with ``save_total_limit=2``. The job is SIGKILLed (its whole process group) after a
+random step, started again with the same command, stopped with SIGTERM a few steps later
+(pitstop saves that step and exits), and started again to the end. Every per-micro-batch
+loss after each resume, the logged losses, the final weights and every optimizer moment are
+bitwise those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "hf_job.py"
+ROOT = HERE.parents[2]
+STEPS = 14
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_JOB_STEPS=str(STEPS),
+               TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    env.pop("PITSTOP_MEMORY_TIER", None)
+    return env
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(JOB), str(out), *extra], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _losses(lines: list[str]) -> dict[tuple[int, int], str]:
+    found = {}
+    for line in lines:
+        if line.startswith("loss "):
+            _, step, micro, value = line.split()
+            found[(int(step), int(micro))] = value
+    return found
+
+
+def _until_step(proc: subprocess.Popen[str], step: int) -> list[str]:
+    """Read the job's lines until it printed ``step <step>`` (then it is past that step)."""
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.strip() == f"step {step}":
+            return lines
+    proc.wait()
+    raise AssertionError(f"the job ended before step {step}:\n" + "\n".join(lines[-30:]))
+
+
+def _finish(proc: subprocess.Popen[str]) -> list[str]:
+    out, _ = proc.communicate(timeout=300)
+    lines = out.splitlines()
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    return lines
+
+
+def _final(out: Path) -> dict:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("hf_reference")
+    lines = _finish(_start(out))
+    assert "done" in lines
+    return _losses(lines), _final(out)
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got["model"].keys() == want["model"].keys()
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), f"weight {k} differs"
+    for pid, moments in want["optimizer"]["state"].items():
+        for name, v in moments.items():
+            g = got["optimizer"]["state"][pid][name]
+            assert torch.equal(g, v), f"optimizer state {pid}/{name} differs"
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    assert got["log"] == want["log"], "the logged losses differ"
+
+
+def test_sigkill_then_sigterm_resume_exactly(tmp_path: Path, reference: tuple[dict, dict]
+                                             ) -> None:
+    ref_losses, ref_final = reference
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    kill_at = rng.randint(2, STEPS - 6)
+    print(f"seed {seed}: SIGKILL after step {kill_at}")
+    out = tmp_path / "out"
+
+    first = _start(out)
+    _until_step(first, kill_at)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+
+    second = _start(out)
+    lines = _until_step(second, STEPS - 2)
+    os.killpg(second.pid, signal.SIGTERM)   # the whole group, as a scheduler does
+    rest, _ = second.communicate(timeout=120)
+    lines += rest.splitlines()
+    assert second.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), "\n".join(lines[-30:])
+    resumed = _losses(lines)
+    assert resumed, "\n".join(lines[-30:])
+    first_step = min(s for s, _ in resumed)
+    assert first_step <= kill_at + 1, f"resumed at {first_step}, killed after {kill_at}"
+    for key, value in resumed.items():
+        assert value == ref_losses[key], f"seed {seed}: loss of step/micro {key} differs"
+    sigterm_step = max(s for s, _ in resumed) + 1
+
+    third = _finish(_start(out))
+    again = _losses(third)
+    # the SIGTERM save was of the step the job was in: the third start goes on right after it
+    assert min(s for s, _ in again) == sigterm_step, (seed, sigterm_step, sorted(again)[:2])
+    for key, value in again.items():
+        assert value == ref_losses[key], f"seed {seed}: loss of step/micro {key} differs"
+    _assert_same_state(_final(out), ref_final)
+    # save_total_limit=2: the Trainer's rotation, over pitstop's checkpoints
+    kept = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+    assert kept == [f"checkpoint-{STEPS - 2}", f"checkpoint-{STEPS}"], kept
