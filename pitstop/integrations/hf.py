@@ -296,7 +296,16 @@ class PitstopTrainerMixin:
         if restored is None:
             raise CheckpointNotFoundError(f"pitstop: no checkpoint to resume in {mgr.directory}")
         self._pitstop_from = (mgr, int(restored))
-        _check_found(restored, mgr, state)
+        missing = set(restored.missing_keys)
+        if "trainer_state" in missing:
+            raise IncompatibleTargetError(
+                f"pitstop: {mgr.directory}/{PREFIX}{int(restored)} holds no TrainerState: it "
+                "was not written by pitstop.integrations.hf.Trainer; resume it with the code "
+                "that wrote it, or train in another output_dir")
+        if "data" in missing:
+            log.warning("pitstop: %s/%s%d holds no data position (its Trainer's data was not "
+                        "resumable); the data goes on from the global step", mgr.directory,
+                        PREFIX, int(restored))
         self.state = TrainerState(**json.loads(held.take()))
         best = self.state.best_model_checkpoint
         if best is not None and _step_of(best) not in mgr.all_steps() \
@@ -334,11 +343,25 @@ class PitstopTrainerMixin:
         prepared = super()._prepare_for_training(  # type: ignore[misc]
             max_steps, train_dataloader, resume_from_checkpoint)
         if self._pitstop_from is not None:
-            mgr, step = self._pitstop_from
-            state = self._pitstop_state(progress=False)
-            restored = mgr.restore(state, step=step, strict=False)
-            _check_found(restored, mgr, state)
+            self._pitstop_restore_objects()
         return prepared
+
+    def _pitstop_restore_objects(self) -> None:
+        """The model, optimizer, scheduler (scaler), random and logging state, in place,
+        all checked against the checkpoint before a byte is written (strict)."""
+        assert self._pitstop_from is not None
+        mgr, step = self._pitstop_from
+        state = self._pitstop_state(progress=False)
+        state["trainer_state"] = _Later(str)  # read before; here only for the strict check
+        if self._pitstop_loader is not None:
+            state["data"] = self._pitstop_loader
+        try:
+            mgr.restore(state, step=step, strict=True)
+        except IncompatibleTargetError as e:
+            e.add_note(f"pitstop: {mgr.directory}/{PREFIX}{step} was written for another model, "
+                       "optimizer or setup (fp16 on/off) than this Trainer's; resume it with "
+                       "the ones that wrote it, or train this one in another output_dir")
+            raise
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         if self._pitstop_from is not None:
@@ -420,9 +443,10 @@ class PitstopTrainerMixin:
             self.state.best_model_checkpoint = os.path.join(str(mgr.directory),
                                                             f"{PREFIX}{best}")
         self._pitstop_callback_states()
-        if step in mgr.all_steps():
-            log.warning("pitstop: %s already holds step %d; it is kept and not saved again",
-                        mgr.directory, step)
+        if step in mgr.all_steps() or os.path.exists(os.path.join(str(mgr.directory),
+                                                                  f"{PREFIX}{step}")):
+            log.warning("pitstop: %s already holds %s%d (of an earlier run); it is kept and "
+                        "this step is not saved again", mgr.directory, PREFIX, step)
             return
         mgr.save(step, self._pitstop_state())
         self._pitstop_last_step = step
@@ -464,19 +488,6 @@ class PitstopTrainerMixin:
                         mgr.delete(s)
         return super()._finalize_training(  # type: ignore[misc]
             trial, num_train_samples, start_time)
-
-
-def _check_found(restored: Any, mgr: CheckpointManager, state: dict[str, Any]) -> None:
-    """A resume with an entry of ``state`` missing from the checkpoint is refused (its
-    objects would silently start over): say which, and what to do."""
-    missing = [k for k in getattr(restored, "missing_keys", []) if k.split("/")[0] != "scaler"]
-    if missing:
-        raise IncompatibleTargetError(
-            f"pitstop: checkpoint {PREFIX}{int(restored)} of {mgr.directory} holds no "
-            f"{', '.join(sorted(missing)[:8])}: it was not written by "
-            "pitstop.integrations.hf.Trainer for this model (another model, or another "
-            "optimizer?); resume it with the Trainer and model that wrote it, or train this one "
-            "in another output_dir")
 
 
 class Trainer(PitstopTrainerMixin, _HFTrainer):

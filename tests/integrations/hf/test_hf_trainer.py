@@ -1,0 +1,136 @@
+"""pitstop.integrations.hf.Trainer keeps the Trainer's conventions (issue 29): a checkpoint
+named by path, ``resume_from_checkpoint=True`` on a new directory, ``load_best_model_at_end``
+with ``save_total_limit``, a directory of the Trainer's own checkpoints, and misuse (an
+unknown path, another model) refused with what to do. In-process, a tiny model, no workers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import pitstop  # noqa: E402
+from pitstop.integrations.hf import Trainer  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(hidden, 1))
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int = 32) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class Begin(transformers.TrainerCallback):
+    """Records the global step and log history the loop starts with."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step, self.logged = state.global_step, [h["step"] for h in state.log_history]
+
+
+def _args(out: Path, **kw) -> transformers.TrainingArguments:
+    base = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps",
+                save_steps=2, logging_steps=1, report_to="none", use_cpu=True,
+                disable_tqdm=True, seed=3)
+    base.update(kw)
+    return transformers.TrainingArguments(str(out), **base)
+
+
+def _trainer(out: Path, cls: type = Trainer, model: torch.nn.Module | None = None, **kw):
+    torch.manual_seed(3)
+    begin = Begin()
+    extra = {"pitstop_options": {"durable": False, "memory_tier": False}} \
+        if cls is Trainer else {}
+    trainer = cls(model=model or Net(), args=_args(out, **kw), train_dataset=Data(),
+                  eval_dataset=Data(8), callbacks=[begin], **extra)
+    return trainer, begin
+
+
+def test_resume_from_the_path_of_a_checkpoint_it_named(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path)
+    first.train()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == \
+        ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    again, begin = _trainer(tmp_path)
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert begin.step == 4 and begin.logged == [1, 2, 3, 4]
+    assert again.state.global_step == 6
+
+
+def test_true_on_a_new_directory_starts_from_scratch(tmp_path: Path) -> None:
+    trainer, begin = _trainer(tmp_path / "new", max_steps=2)
+    trainer.train(resume_from_checkpoint=True)      # the Trainer's own raises ValueError here
+    assert begin.step == 0 and trainer.state.global_step == 2
+
+
+def test_a_path_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path, max_steps=2)
+    first.train()
+    again, _ = _trainer(tmp_path)
+    with pytest.raises(pitstop.CheckpointNotFoundError, match="checkpoint-99.*steps there: "
+                                                              r"\[2\]"):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-99"))
+
+
+def test_a_checkpoint_of_another_model_is_refused_untouched(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path, max_steps=2)
+    first.train()
+    other = Net(hidden=6)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    again, _ = _trainer(tmp_path, model=other)
+    with pytest.raises(pitstop.IncompatibleTargetError, match="model/net.0.weight") as e:
+        again.train(resume_from_checkpoint=True)
+    assert "another model" in "".join(getattr(e.value, "__notes__", []))
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was changed by a refused restore"
+
+
+def test_load_best_model_at_end_with_save_total_limit(tmp_path: Path) -> None:
+    trainer, _ = _trainer(tmp_path, max_steps=8, eval_strategy="steps", eval_steps=2,
+                          load_best_model_at_end=True, metric_for_best_model="loss",
+                          greater_is_better=True, save_total_limit=1)
+    trainer.train()
+    best = trainer.state.best_global_step
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
+    # save_total_limit=1 with a best: the Trainer keeps only the best one at the end
+    assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")] == \
+        [f"checkpoint-{best}"]
+    with pitstop.CheckpointManager(tmp_path, read_only=True) as mgr:
+        saved = mgr.load(best)
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, torch.as_tensor(saved["model"][k])), k
+
+
+def test_a_directory_of_the_trainers_own_checkpoints(tmp_path: Path) -> None:
+    native, _ = _trainer(tmp_path, cls=transformers.Trainer, max_steps=4)
+    native.train()                                   # the Trainer's checkpoint-2, checkpoint-4
+    hf_files = sorted(os.listdir(tmp_path / "checkpoint-4"))
+    moved, begin = _trainer(tmp_path, max_steps=8)
+    moved.train(resume_from_checkpoint=True)         # first start: the Trainer's newest
+    assert begin.step == 4 and begin.logged == [1, 2, 3, 4]
+    assert moved.state.global_step == 8
+    with pitstop.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.all_steps() == [6, 8]
+    assert sorted(os.listdir(tmp_path / "checkpoint-4")) == hf_files   # left as they were
+    again, begin = _trainer(tmp_path, max_steps=10)
+    again.train(resume_from_checkpoint=True)         # then pitstop's, the newer
+    assert begin.step == 8
