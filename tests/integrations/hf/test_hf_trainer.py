@@ -134,3 +134,19 @@ def test_a_directory_of_the_trainers_own_checkpoints(tmp_path: Path) -> None:
     again, begin = _trainer(tmp_path, max_steps=10)
     again.train(resume_from_checkpoint=True)         # then pitstop's, the newer
     assert begin.step == 8
+
+
+def test_the_first_loss_logged_after_a_resume_averages_the_same_steps(tmp_path: Path) -> None:
+    """logging_steps=4, a resume from step 6: the loss logged at step 8 averages steps 5-8,
+    as in the uninterrupted run (the Trainer's own resume restarts the running sum at 6)."""
+    def logged(t):
+        return [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]
+
+    whole, _ = _trainer(tmp_path / "whole", max_steps=8, logging_steps=4)
+    whole.train()
+    cut, _ = _trainer(tmp_path / "cut", max_steps=8, logging_steps=4)
+    cut.train()
+    resumed, begin = _trainer(tmp_path / "cut", max_steps=8, logging_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-6"))
+    assert begin.step == 6
+    assert logged(resumed) == logged(whole), (logged(resumed), logged(whole))
