@@ -168,6 +168,7 @@ class PitstopTrainerMixin:
         self._pitstop_logging = _Later(self._pitstop_logging_state)
         self._pitstop_last_step: int | None = None
         self._pitstop_tr_loss: torch.Tensor | None = None
+        self._pitstop_other: CheckpointManager | None = None
         self.add_callback(_Resumed(self))
 
     # ------------------------------------------------------------------ train()
@@ -186,10 +187,13 @@ class PitstopTrainerMixin:
             self._pitstop_from = None
             self.checkpoint_manager = None
             mgr.close()
+            if self._pitstop_other is not None:
+                self._pitstop_other.close()
+                self._pitstop_other = None
 
     def _pitstop_open(self) -> CheckpointManager:
         options = {"save_policy": _NeverOnItsOwn(), "retention": [_SaveTotalLimit(self)],
-                   **self.pitstop_options, "step_prefix": PREFIX, "step_digits": 0}
+                   "nonfinite_guard": True, **self.pitstop_options, "step_prefix": PREFIX, "step_digits": 0}
         mgr = CheckpointManager(self.args.output_dir, **options)  # type: ignore[attr-defined]
         self.checkpoint_manager = mgr
         return mgr
@@ -224,6 +228,14 @@ class PitstopTrainerMixin:
         if step is not None and os.path.abspath(out) == parent and step in mgr.all_steps():
             self._pitstop_from = (mgr, step)
             return None
+        if step is not None and os.path.isdir(os.path.join(parent, ".pitstop")):
+            # a checkpoint of another run's directory: read there, saved here
+            other = CheckpointManager(parent, read_only=True)
+            if step in other.all_steps():
+                self._pitstop_other = other
+                self._pitstop_from = (other, step)
+                return None
+            other.close()
         raise CheckpointNotFoundError(
             f"pitstop: resume_from_checkpoint={path!r} is neither a checkpoint of output_dir "
             f"{out!r} (pitstop's steps there: {mgr.all_steps() or 'none'}) nor one of the "

@@ -122,3 +122,39 @@ def test_the_first_loss_logged_after_a_resume_averages_the_same_steps(tmp_path: 
     resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-6"))
     assert begin.step == 6
     assert logged(resumed) == logged(whole), (logged(resumed), logged(whole))
+
+
+def test_a_checkpoint_of_another_output_dir_by_path(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path / "a", max_steps=4)
+    first.train()
+    before = sorted(os.listdir(tmp_path / "a"))
+    other, begin = _trainer(tmp_path / "b", max_steps=6)
+    other.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    assert begin.step == 4
+    assert sorted(os.listdir(tmp_path / "a")) == before        # only read
+    with pitstop.CheckpointManager(tmp_path / "b", read_only=True) as mgr:
+        assert mgr.all_steps() == [6]
+
+
+class Poison(transformers.TrainerCallback):
+    """The weights turn NaN at the end of step 3 (a diverged run)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 3:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+
+
+def test_the_nan_guard_keeps_a_diverged_run_from_being_saved(tmp_path: Path,
+                                                             caplog) -> None:
+    diverged, _ = _trainer(tmp_path, max_steps=6)
+    diverged.add_callback(Poison())
+    with caplog.at_level("WARNING", logger="pitstop"):
+        diverged.train()
+    assert "step 4 not saved: an array holds NaN or Inf" in caplog.text
+    with pitstop.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.all_steps() == [2]                       # steps 4 and 6 were NaN
+    again, begin = _trainer(tmp_path, max_steps=6)
+    again.train(resume_from_checkpoint=True)
+    assert begin.step == 2
+    assert all(torch.isfinite(p).all() for p in again.model.parameters())
