@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer job for the kill/resume tests: ``python hf_job.py OUT_DIR [native]``.
+"""A Hugging Face Trainer job for the kill/resume test: ``python hf_job.py OUT_DIR``.
 
 A tiny GPT-2 built from a config, dropout on, a shuffled map-style dataset read by two
 worker processes, gradient accumulation 2, the default linear schedule with warm-up, a save
@@ -16,7 +16,6 @@ import sys
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
-from transformers import Trainer as HFTrainer
 
 from pitstop.integrations.hf import Trainer
 
@@ -51,7 +50,7 @@ def recording(base: type) -> type:
     return Recording
 
 
-def main(out: str, native: bool) -> None:
+def main(out: str) -> None:
     args = TrainingArguments(
         out, max_steps=MAX_STEPS, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=1e-2, warmup_steps=3, lr_scheduler_type="linear", logging_steps=1,
@@ -62,11 +61,9 @@ def main(out: str, native: bool) -> None:
                         bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     model = GPT2LMHeadModel(config)
-    kwargs = {} if native else {"pitstop_options": {"durable": False}}
-    trainer = recording(HFTrainer if native else Trainer)(
-        model=model, args=args, train_dataset=Tokens(), callbacks=[Progress()], **kwargs)
-    print(f"pid {os.getpid()}", flush=True)
-    trainer.train(resume_from_checkpoint=True if not native or _has_hf(out) else None)
+    trainer = recording(Trainer)(model=model, args=args, train_dataset=Tokens(),
+                                 callbacks=[Progress()], pitstop_options={"durable": False})
+    trainer.train(resume_from_checkpoint=True)
     if trainer.state.global_step == MAX_STEPS:
         opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") \
             else trainer.optimizer
@@ -76,9 +73,5 @@ def main(out: str, native: bool) -> None:
         print("done", flush=True)
 
 
-def _has_hf(out: str) -> bool:
-    return os.path.isdir(out) and any(n.startswith("checkpoint-") for n in os.listdir(out))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "native")
+    main(sys.argv[1])

@@ -39,8 +39,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(JOB), str(out), *extra], env=_env(),
+def _start(out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(JOB), str(out)], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -87,7 +87,7 @@ def _uninterrupted(out: Path) -> tuple[dict, dict]:
     hf_job.MAX_STEPS = STEPS
     try:
         with contextlib.redirect_stdout(text):
-            hf_job.main(str(out), native=False)
+            hf_job.main(str(out))
     finally:
         hf_job.MAX_STEPS = old
     lines = text.getvalue().splitlines()
