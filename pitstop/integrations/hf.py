@@ -32,7 +32,11 @@ from transformers import TrainerCallback, TrainerState
 
 from pitstop.adapters.rng import RNG
 from pitstop.adapters.torch import ResumableLoader, ResumableSampler
-from pitstop.core.errors import CheckpointNotFoundError, IncompatibleTargetError
+from pitstop.core.errors import (
+    CheckpointNotFoundError,
+    IncompatibleTargetError,
+    InvalidArgumentError,
+)
 from pitstop.core.manager import CheckpointManager
 
 log = logging.getLogger("pitstop.integrations.hf")
@@ -194,7 +198,16 @@ class PitstopTrainerMixin:
     def _pitstop_open(self) -> CheckpointManager:
         options = {"save_policy": _NeverOnItsOwn(), "retention": [_SaveTotalLimit(self)],
                    "nonfinite_guard": True, **self.pitstop_options, "step_prefix": PREFIX, "step_digits": 0}
-        mgr = CheckpointManager(self.args.output_dir, **options)  # type: ignore[attr-defined]
+        out = self.args.output_dir  # type: ignore[attr-defined]
+        try:
+            mgr = CheckpointManager(out, **options)
+        except InvalidArgumentError as e:
+            if "names its checkpoints" in str(e):
+                e.add_note(f"pitstop: the Trainer names its checkpoints checkpoint-<step>, and "
+                           f"output_dir {out!r} is a pitstop directory of another naming "
+                           "(written by your own CheckpointManager): give the Trainer "
+                           "another output_dir")
+            raise
         self.checkpoint_manager = mgr
         return mgr
 

@@ -158,3 +158,12 @@ def test_the_nan_guard_keeps_a_diverged_run_from_being_saved(tmp_path: Path,
     again.train(resume_from_checkpoint=True)
     assert begin.step == 2
     assert all(torch.isfinite(p).all() for p in again.model.parameters())
+
+
+def test_an_output_dir_of_a_pitstop_run_of_another_naming_is_refused(tmp_path: Path) -> None:
+    with pitstop.CheckpointManager(tmp_path) as mgr:           # step_0000000001
+        mgr.save(1, {"w": torch.zeros(2)}).wait()
+    trainer, _ = _trainer(tmp_path, max_steps=2)
+    with pytest.raises(pitstop.InvalidArgumentError) as e:
+        trainer.train()
+    assert "give the Trainer another output_dir" in "".join(e.value.__notes__)
