@@ -481,7 +481,8 @@ class PitstopTrainerMixin:
         for cb in self.callback_handler.callbacks + [self.control]:  # type: ignore[attr-defined]
             if isinstance(cb, _hf_trainer.ExportableState):
                 name, cb_state = cb.__class__.__name__, cb.state()
-                if isinstance(self.state.stateful_callbacks[name], list):
+                # .get: a stateful callback added on a resume (the Trainer's raises KeyError)
+                if isinstance(self.state.stateful_callbacks.get(name), list):
                     self.state.stateful_callbacks[name].append(cb_state)
                 else:
                     self.state.stateful_callbacks[name] = cb_state

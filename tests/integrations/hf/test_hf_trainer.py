@@ -167,3 +167,16 @@ def test_an_output_dir_of_a_pitstop_run_of_another_naming_is_refused(tmp_path: P
     with pytest.raises(pitstop.InvalidArgumentError) as e:
         trainer.train()
     assert "give the Trainer another output_dir" in "".join(e.value.__notes__)
+
+
+def test_a_stateful_callback_added_on_a_resume(tmp_path: Path) -> None:
+    """transformers.Trainer's save raises KeyError for an ExportableState callback that the
+    resumed checkpoint did not have; pitstop's records it from then on."""
+    kw = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+              metric_for_best_model="loss")
+    first, _ = _trainer(tmp_path, max_steps=2, **kw)
+    first.train()
+    again, _ = _trainer(tmp_path, max_steps=4, **kw)
+    again.add_callback(transformers.EarlyStoppingCallback(early_stopping_patience=3))
+    again.train(resume_from_checkpoint=True)
+    assert "EarlyStoppingCallback" in again.state.stateful_callbacks

@@ -22,7 +22,7 @@ from pitstop.integrations.hf import Trainer  # noqa: E402
 SCORES = [0.5, 0.1, 0.4, 0.3]
 
 
-def _run(cls: type, out: Path, resume=None, max_steps: int = 8):
+def _run(cls: type, out: Path, resume=None, max_steps: int = 8, callbacks=()):
     calls = []
 
     def metrics(_pred):
@@ -39,7 +39,7 @@ def _run(cls: type, out: Path, resume=None, max_steps: int = 8):
         if cls is Trainer else {}
     begin = Begin()
     trainer = cls(model=Net(), args=args, train_dataset=Data(), eval_dataset=Data(8),
-                  compute_metrics=metrics, callbacks=[begin], **extra)
+                  compute_metrics=metrics, callbacks=[begin, *callbacks], **extra)
     trainer.train(resume_from_checkpoint=resume)
     kept = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-") and "." not in n)
     return trainer, begin, kept
@@ -67,3 +67,19 @@ def test_a_resume_starts_where_the_trainers_own_does(tmp_path: Path, resume) -> 
         starts[name] = (begin.step, begin.logged, trainer.state.global_step, kept)
     assert starts["ps"] == starts["hf"]
     assert starts["ps"][0] == 6
+
+
+def test_a_stateful_callbacks_state_comes_back_as_with_the_trainers_own(tmp_path: Path
+                                                                         ) -> None:
+    """EarlyStoppingCallback (an ExportableState): its patience counter at the checkpoint."""
+    counters = {}
+    for name, cls in (("hf", transformers.Trainer), ("ps", Trainer)):
+        out = tmp_path / name
+        first = transformers.EarlyStoppingCallback(early_stopping_patience=5)
+        _run(cls, out, max_steps=6, callbacks=[first])   # scores 0.5, 0.1, 0.4: one worse
+        stop = transformers.EarlyStoppingCallback(early_stopping_patience=5)
+        _run(cls, out, resume=str(out / "checkpoint-6"), max_steps=7, callbacks=[stop])
+        counters[name] = (first.early_stopping_patience_counter,
+                          stop.early_stopping_patience_counter)
+    assert counters["ps"] == counters["hf"], counters
+    assert counters["ps"] == (1, 1)      # saved at 1, back at 1 after the resume
