@@ -62,7 +62,7 @@ def main(out: str) -> None:
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     model = GPT2LMHeadModel(config)
     trainer = recording(Trainer)(model=model, args=args, train_dataset=Tokens(),
-                                 callbacks=[Progress()], pitstop_options={"durable": False})
+                                 callbacks=[Progress()])
     trainer.train(resume_from_checkpoint=True)
     if trainer.state.global_step == MAX_STEPS:
         opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") \

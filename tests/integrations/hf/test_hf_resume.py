@@ -27,22 +27,49 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 HERE = Path(__file__).resolve().parent
-JOB = HERE / "hf_job.py"
 ROOT = HERE.parents[2]
 STEPS = 12
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_JOB_STEPS=str(STEPS),
-               TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
+               HF_JOB_STEPS=str(STEPS), TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
     env.pop("PITSTOP_MEMORY_TIER", None)
     return env
 
 
-def _start(out: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(JOB), str(out)], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+class Job:
+    """One start of the job: a fresh process forked by the zygote (see hf_zygote.py)."""
+
+    def __init__(self, zygote: subprocess.Popen[str], out: Path) -> None:
+        self.zygote = zygote
+        fifo = out.parent / f"{out.name}.{len(list(out.parent.glob('*.fifo')))}.fifo"
+        os.mkfifo(fifo)
+        self.pid = int(_ask(zygote, f"run {out} {fifo}").split()[1])
+        self.stdout = open(fifo)  # noqa: SIM115 (read line by line while it runs)
+
+    def wait(self) -> int:
+        rest = self.stdout.read()
+        self.stdout.close()
+        self.tail = rest.splitlines()
+        return int(_ask(self.zygote, f"wait {self.pid}").split()[2])
+
+
+def _ask(zygote: subprocess.Popen[str], command: str) -> str:
+    assert zygote.stdin is not None and zygote.stdout is not None
+    zygote.stdin.write(command + "\n")
+    zygote.stdin.flush()
+    return zygote.stdout.readline()
+
+
+@pytest.fixture()
+def zygote() -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, str(HERE / "hf_zygote.py")], env=_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
 
 
 def _losses(lines: list[str]) -> dict[tuple[int, int], str]:
@@ -54,23 +81,21 @@ def _losses(lines: list[str]) -> dict[tuple[int, int], str]:
     return found
 
 
-def _until_step(proc: subprocess.Popen[str], step: int) -> list[str]:
+def _until_step(job: Job, step: int) -> list[str]:
     """Read the job's lines until it printed ``step <step>`` (then it is past that step)."""
     lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in job.stdout:
         lines.append(line.rstrip("\n"))
         if line.strip() == f"step {step}":
             return lines
-    proc.wait()
+    job.wait()
     raise AssertionError(f"the job ended before step {step}:\n" + "\n".join(lines[-30:]))
 
 
-def _finish(proc: subprocess.Popen[str]) -> list[str]:
-    out, _ = proc.communicate(timeout=300)
-    lines = out.splitlines()
-    assert proc.returncode == 0, "\n".join(lines[-40:])
-    return lines
+def _finish(job: Job) -> list[str]:
+    code = job.wait()
+    assert code == 0, "\n".join(job.tail[-40:])
+    return job.tail
 
 
 def _final(out: Path) -> dict:
@@ -107,24 +132,24 @@ def _assert_same_state(got: dict, want: dict) -> None:
     assert got["log"] == want["log"], "the logged losses differ"
 
 
-def test_sigkill_then_sigterm_resume_exactly(tmp_path: Path) -> None:
+def test_sigkill_then_sigterm_resume_exactly(tmp_path: Path, zygote) -> None:
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     kill_at = rng.randint(2, STEPS - 6)
     print(f"seed {seed}: SIGKILL after step {kill_at}")
     out = tmp_path / "out"
 
-    first = _start(out)
+    first = Job(zygote, out)
     _until_step(first, kill_at)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
+    os.killpg(first.pid, signal.SIGKILL)      # the job and its DataLoader workers
+    assert first.wait() == -signal.SIGKILL
 
-    second = _start(out)
+    second = Job(zygote, out)
     lines = _until_step(second, STEPS - 2)
-    os.killpg(second.pid, signal.SIGTERM)   # the whole group, as a scheduler does
-    rest, _ = second.communicate(timeout=120)
-    lines += rest.splitlines()
-    assert second.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), "\n".join(lines[-30:])
+    os.killpg(second.pid, signal.SIGTERM)     # the whole group, as a scheduler does
+    code = second.wait()
+    lines += second.tail
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), "\n".join(lines[-30:])
     resumed = _losses(lines)
     assert resumed, "\n".join(lines[-30:])
     first_step = min(s for s, _ in resumed)
@@ -134,7 +159,7 @@ def test_sigkill_then_sigterm_resume_exactly(tmp_path: Path) -> None:
         assert value == ref_losses[key], f"seed {seed}: loss of step/micro {key} differs"
     sigterm_step = max(s for s, _ in resumed) + 1
 
-    third = _finish(_start(out))
+    third = _finish(Job(zygote, out))
     again = _losses(third)
     # the SIGTERM save was of the step the job was in: the third start goes on right after it
     assert min(s for s, _ in again) == sigterm_step, (seed, sigterm_step, sorted(again)[:2])
