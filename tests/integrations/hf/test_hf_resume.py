@@ -4,7 +4,8 @@ exactly (issue 29).
 One scenario covers the list: a tiny GPT-2 with dropout, a shuffled dataset read by two
 worker processes, gradient accumulation 2, the linear schedule with warm-up, saves every 2
 steps with ``save_total_limit=2``. The job is SIGKILLed (its whole process group) after a
-random step, started again with the same command, stopped with SIGTERM a few steps later
+random step, started again (a fresh process running the same script: hf_zygote.py forks
+it), stopped with SIGTERM a few steps later
 (pitstop saves that step and exits), and started again to the end. Every per-micro-batch
 loss after each resume, the logged losses, the final weights and every optimizer moment are
 bitwise those of an uninterrupted run.
