@@ -137,14 +137,14 @@ def _native_checkpoints(directory: str, ours: set[int]) -> list[tuple[int, str]]
 
 
 @contextlib.contextmanager
-def _no_skip_for_pitstop_loaders() -> Iterator[None]:
-    """While an epoch starts: the Trainer's ``skip_first_batches`` (accelerate's, which
-    iterates the skipped batches' indices) leaves a ``ResumableLoader`` as it is: its restored
-    position already is the next batch."""
+def _no_skip_for(ours: ResumableLoader | None) -> Iterator[None]:
+    """While an epoch runs: the Trainer's ``skip_first_batches`` (accelerate's, which walks
+    the sampler through the skipped batches) leaves ``ours`` as it is: its restored position
+    already is the next batch. Any other loader is skipped as the Trainer skips it."""
     original = _hf_trainer.skip_first_batches
 
     def skip(loader: Any, num_batches: int = 0) -> Any:
-        return loader if isinstance(loader, ResumableLoader) else original(loader, num_batches)
+        return loader if ours is not None and loader is ours else original(loader, num_batches)
 
     _hf_trainer.skip_first_batches = skip
     try:
@@ -394,7 +394,7 @@ class PitstopTrainerMixin:
             mgr, step = self._pitstop_from
             kwargs["resume_from_checkpoint"] = os.path.join(str(mgr.directory),
                                                             f"{PREFIX}{step}")
-        with _no_skip_for_pitstop_loaders():
+        with _no_skip_for(self._pitstop_loader):
             return super()._run_epoch(*args, **kwargs)  # type: ignore[misc]
 
     def _load_rng_state(self, checkpoint: Any) -> None:

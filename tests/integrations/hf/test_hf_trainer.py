@@ -31,7 +31,7 @@ def _trainer(out: Path, cls: type = Trainer, model: torch.nn.Module | None = Non
     torch.manual_seed(3)
     begin = Begin()
     extra = {"pitstop_options": {"durable": False, "memory_tier": False}} \
-        if cls is Trainer else {}
+        if issubclass(cls, Trainer) else {}
     trainer = cls(model=model or Net(), args=_args(out, **kw), train_dataset=Data(),
                   eval_dataset=Data(8), callbacks=[begin], **extra)
     return trainer, begin
@@ -180,3 +180,27 @@ def test_a_stateful_callback_added_on_a_resume(tmp_path: Path) -> None:
     again.add_callback(transformers.EarlyStoppingCallback(early_stopping_patience=3))
     again.train(resume_from_checkpoint=True)
     assert "EarlyStoppingCallback" in again.state.stateful_callbacks
+
+
+class OwnLoader(Trainer):
+    """A subclass that builds its own ResumableLoader (pitstop does not track it)."""
+
+    def get_train_dataloader(self):
+        from pitstop.adapters.torch import ResumableLoader
+
+        return ResumableLoader(self.train_dataset, batch_size=4, shuffle=True, seed=0,
+                               collate_fn=self.data_collator)
+
+
+def test_a_loader_of_your_own_is_skipped_as_the_trainer_skips_it(tmp_path: Path) -> None:
+    def logged(t):
+        return [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]
+
+    whole, _ = _trainer(tmp_path / "whole", cls=OwnLoader, max_steps=6)
+    whole.train()
+    cut, _ = _trainer(tmp_path / "cut", cls=OwnLoader, max_steps=6)
+    cut.train()
+    resumed, begin = _trainer(tmp_path / "cut", cls=OwnLoader, max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-4"))
+    assert begin.step == 4
+    assert logged(resumed) == logged(whole)
