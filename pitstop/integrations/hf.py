@@ -196,8 +196,10 @@ class PitstopTrainerMixin:
                 self._pitstop_other = None
 
     def _pitstop_open(self) -> CheckpointManager:
+        # the Trainer's arguments decide the saves and what is kept; names are the Trainer's
         options = {"save_policy": _NeverOnItsOwn(), "retention": [_SaveTotalLimit(self)],
-                   "nonfinite_guard": True, **self.pitstop_options, "step_prefix": PREFIX, "step_digits": 0}
+                   "nonfinite_guard": True, **self.pitstop_options,
+                   "step_prefix": PREFIX, "step_digits": 0}
         out = self.args.output_dir  # type: ignore[attr-defined]
         try:
             mgr = CheckpointManager(out, **options)
