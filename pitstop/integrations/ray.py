@@ -344,8 +344,13 @@ def resumable_loader(loader: DataLoader, *, seed: int | None = None) -> Resumabl
     if not isinstance(base, DataLoader):
         raise InvalidArgumentError(f"resumable_loader takes a torch DataLoader, got "
                                    f"{type(loader).__name__}")
-    # TODO(lead): ResumableLoader.from_loader(base, seed=seed) once branch `data` is merged
-    return _from_loader(base, seed)
+    if isinstance(base.sampler, (DistributedSampler, RandomSampler, SequentialSampler)) \
+            and base.batch_size is not None:
+        return _from_loader(base, seed)  # a ResumableSampler: the same order, no replay
+    try:  # any other sampler or batch_sampler: replayed indices (docs/torch.md)
+        return ResumableLoader.from_loader(base, seed=seed)
+    except TypeError as e:
+        raise InvalidArgumentError(f"resumable_loader: {e}") from e
 
 
 def _from_loader(base: DataLoader, seed: int | None) -> ResumableLoader:
@@ -363,12 +368,7 @@ def _from_loader(base: DataLoader, seed: int | None) -> ResumableLoader:
                                      shuffle=isinstance(sampler, RandomSampler),
                                      seed=sampler_seed, num_replicas=world, rank=rank)
     else:
-        raise InvalidArgumentError(
-            f"resumable_loader: a {type(sampler).__name__} has no saved position pitstop can "
-            "reproduce; use shuffle=True/False or a DistributedSampler")
-    if base.batch_sampler is not None and base.batch_size is None:
-        raise InvalidArgumentError("resumable_loader: a loader with its own batch_sampler "
-                                   "is not supported yet; pass batch_size instead")
+        raise AssertionError(type(sampler))  # resumable_loader sends other kinds elsewhere
     extra = {"multiprocessing_context": base.multiprocessing_context} \
         if base.multiprocessing_context is not None else {}
     if base.num_workers > 0:

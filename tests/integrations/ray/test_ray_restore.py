@@ -94,9 +94,13 @@ def test_resumable_loader_keeps_a_distributed_samplers_order():
     plain = torch.utils.data.DataLoader(data, batch_size=3, sampler=sampler)
     loader = resumable_loader(plain)
     assert [b[0].tolist() for b in loader] == [b[0].tolist() for b in plain]
-    with pytest.raises(pitstop.InvalidArgumentError, match="WeightedRandomSampler"):
-        resumable_loader(torch.utils.data.DataLoader(
-            data, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 20, 20)))
+    weighted = torch.utils.data.DataLoader(  # any other sampler: ResumableLoader.from_loader
+        data, batch_size=4, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 20, 20))
+    again = resumable_loader(weighted, seed=3)
+    first = [b[0].tolist() for b in again]
+    assert [b[0].tolist() for b in resumable_loader(weighted, seed=3)] == first
+    with pytest.raises(pitstop.InvalidArgumentError, match="resumable_loader"):
+        resumable_loader([1, 2, 3])
 
 
 def test_nonfinite_guard_and_a_step_saved_twice(tmp_path):
