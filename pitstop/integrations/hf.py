@@ -268,11 +268,19 @@ class PitstopTrainerMixin:
         self._pitstop_loader = None
         dataset = getattr(loader, "dataset", None)
         if type(self._get_train_sampler(dataset)) is not RandomSampler:  # type: ignore[attr-defined]
-            log.warning("pitstop: the training data of this Trainer is not a map-style dataset "
-                        "shuffled by the Trainer's RandomSampler, so its position is not "
-                        "saved: a mid-epoch resume skips batches as the Trainer does (by "
-                        "iterating them) and may see other batches than the run it resumes")
-            return loader
+            # another sampler (group_by_length, your own), an IterableDataset with a state:
+            # ResumableLoader.from_loader replays the sampler's indices to the position
+            args = self.args  # type: ignore[attr-defined]
+            try:
+                self._pitstop_loader = ResumableLoader.from_loader(
+                    loader, seed=args.data_seed if args.data_seed is not None else args.seed)
+            except TypeError as e:
+                log.warning("pitstop: the training data of this Trainer cannot be tracked (%s), "
+                            "so its position is not saved: a mid-epoch resume skips batches "
+                            "as the Trainer does (by iterating them) and may see other batches "
+                            "than the run it resumes", e)
+                return loader
+            return self._pitstop_loader
         self._pitstop_loader = self._pitstop_resumable(loader)
         return self._pitstop_loader
 
