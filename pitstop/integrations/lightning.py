@@ -48,6 +48,9 @@ __all__ = ["PitstopCheckpoint", "load_checkpoint"]
 
 #: the "format" field of a pointer file
 POINTER = "pitstop-lightning-pointer"
+#: the pointer to pitstop's own newest save (signals, save_every_steps) in ModelCheckpoint's
+#: directory; Lightning's ckpt_path="last" takes it when it is newer than last.ckpt
+LAST = "last-pitstop.ckpt"
 
 
 def _read_pointer(path: str) -> dict[str, Any] | None:
@@ -112,6 +115,8 @@ class _Referenced:
         self.owner = owner
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        if not self.owner._scanned:  # the pointers on disk are not known yet: keep all
+            return {c.step for c in checkpoints}
         refs = self.owner._referenced()
         others = sorted(c.step for c in checkpoints if c.step not in refs)
         return refs | set(others[-self.owner.keep_last:])
@@ -185,6 +190,8 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         self._pointers: dict[str, int] = {}
         #: what a restore left for on_train_start: (step, grads)
         self._pending: tuple[int, dict[str, Any]] | None = None
+        #: whether the pointers on disk were read (retention deletes nothing before)
+        self._scanned = False
         self._fallback_io = TorchCheckpointIO()
 
     # ------------------------------------------------------------------ the manager
@@ -212,6 +219,7 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
                 if pointer is not None and pointer["directory"] == self.dirpath:
                     with self._lock:
                         self._pointers[os.path.abspath(p)] = int(pointer["step"])
+        self._scanned = True
 
     # ------------------------------------------------------------------ Callback hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -219,7 +227,7 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         trainer.strategy.checkpoint_io = self
         if stage != "fit":
             return
-        self.manager  # opened now: its signal handlers go under Lightning's (it calls ours)
+        _ = self.manager  # opened now: its signal handlers go under Lightning's (it calls ours)
         if self.swap_dataloader:
             source = trainer.fit_loop._data_source
             original = source.dataloader
@@ -256,7 +264,13 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
             mgr.step(step, {})  # a signal: this step is saved already; exits as it asks
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self._save(step, checkpoint)
+        cb = trainer.checkpoint_callback
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            # ckpt_path="last" takes the newest last*.ckpt of ModelCheckpoint's directory:
+            # this pointer names pitstop's own newest save there
+            self.save_checkpoint(checkpoint, os.path.join(cb.dirpath, LAST))
+        else:
+            self._save(step, checkpoint)
 
     def teardown(self, trainer: pl.Trainer | None = None, pl_module: Any = None,
                  stage: str | None = None) -> None:
@@ -281,12 +295,14 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
             raise CheckpointError("PitstopCheckpoint saves for a Trainer: put it in "
                                   "Trainer(callbacks=[...])")
         step = _batches_done(trainer)
-        if step not in self.manager.all_steps():
-            self._save(step, checkpoint)
         path = os.path.abspath(os.fspath(path))
+        # the pointer first: a save on a signal exits once committed (a pointer to a step
+        # that never committed resumes from the newest committed one before it, said)
         _write_pointer(path, self.dirpath, step)
         with self._lock:
             self._pointers[path] = step
+        if step not in self.manager.all_steps():
+            self._save(step, checkpoint)
 
     def _save(self, step: int, checkpoint: dict[str, Any]) -> None:
         trainer = self._trainer
@@ -320,9 +336,21 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
             with pitstop.CheckpointManager(directory, read_only=True) as other:
                 tree = other.load(step)
         else:
-            tree = self.manager.load(step)
+            mgr = self.manager
+            if step is not None and step not in mgr.all_steps():
+                older = [s for s in mgr.all_steps() if s < step]
+                if not older:
+                    raise CheckpointNotFoundError(
+                        f"{path} names step {step} of {directory}, which was never committed "
+                        "(the job was killed while saving it) and no earlier step is there: "
+                        "start without ckpt_path")
+                log.warning("pitstop: %s names step %d of %s, which was never committed (the "
+                            "job was killed while saving it): resuming from step %d, the "
+                            "newest committed before it", path, step, directory, older[-1])
+                step = older[-1]
+            tree = mgr.load(step)
             if step is None:
-                step = self.manager.latest_step()
+                step = mgr.latest_step()
         if not isinstance(tree, dict) or "lightning" not in tree:
             raise CheckpointError(
                 f"{path}: pitstop checkpoint of step {step} in {directory} was not written by "

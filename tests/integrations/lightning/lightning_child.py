@@ -5,13 +5,14 @@ save_top_k=2, monitor="train_loss", every_n_train_steps=3); dropout, a shuffled 
 with 2 workers, gradient accumulation 2, StepLR stepped every optimizer step,
 seed_everything(workers=True). Appends ``loss <batch> <float.hex>`` lines to
 ``<out>/log.txt`` (one write each), prints ``done <batch>`` after each training batch, and
-at the end writes the model's and the optimizer's state to ``<out>/final.pt``.
+SIGTERMs itself after batch ``--term-at``; at the end writes the model's and the optimizer's state to ``<out>/final.pt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import lightning.pytorch as pl
@@ -46,6 +47,9 @@ class Net(pl.LightningModule):
 
 
 class Report(Callback):
+    def __init__(self, term_at: int | None) -> None:
+        self.term_at = term_at
+
     def on_train_start(self, trainer, pl_module):
         n = trainer.fit_loop.epoch_loop.batch_progress.total.processed
         fd = os.open(pl_module.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -55,6 +59,8 @@ class Report(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         n = trainer.fit_loop.epoch_loop.batch_progress.total.processed
         os.write(1, f"done {n}\n".encode())
+        if n == self.term_at:  # a preemption notice: pitstop saves this batch and exits
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main() -> None:
@@ -62,6 +68,7 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--term-at", type=int, default=None)
     a = p.parse_args()
     pl.seed_everything(1234, workers=True, verbose=False)
     g = torch.Generator().manual_seed(0)
@@ -72,7 +79,7 @@ def main() -> None:
         accelerator="cpu", devices=1, max_steps=a.steps, accumulate_grad_batches=2,
         enable_progress_bar=False, logger=False, enable_model_summary=False,
         default_root_dir=a.dir,
-        callbacks=[Report(), PitstopCheckpoint(os.path.join(a.dir, "pitstop"), save_every_steps=5),
+        callbacks=[Report(a.term_at), PitstopCheckpoint(os.path.join(a.dir, "pitstop"), save_every_steps=5),
                    ModelCheckpoint(dirpath=os.path.join(a.dir, "ckpts"), save_last=True,
                                    save_top_k=2, monitor="train_loss", every_n_train_steps=3)])
     trainer.fit(model, loader, ckpt_path="last")

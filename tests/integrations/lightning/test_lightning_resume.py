@@ -19,11 +19,14 @@ pytest.importorskip("lightning")
 CHILD = Path(__file__).with_name("lightning_child.py")
 
 
-def _run(run_dir: Path, out: Path, kill_at: int | None = None) -> int:
+def _run(run_dir: Path, out: Path, kill_at: int | None = None, term_at: int | None = None
+         ) -> int:
     """Run the child; with ``kill_at``, SIGKILL its process group once it printed that
     batch done. Returns the exit code."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(CHILD), "--dir", str(run_dir), "--out", str(out)],
+    args = [] if term_at is None else ["--term-at", str(term_at)]
+    proc = subprocess.Popen([sys.executable, str(CHILD), "--dir", str(run_dir), "--out", str(out),
+                             *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     assert proc.stdout is not None
@@ -32,7 +35,7 @@ def _run(run_dir: Path, out: Path, kill_at: int | None = None) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             break
     _, err = proc.communicate(timeout=300)
-    if kill_at is None:
+    if kill_at is None and term_at is None:
         assert proc.returncode == 0, err[-3000:]
     return proc.returncode
 
@@ -56,20 +59,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_sigkill_at_a_random_batch_resumes_bitwise(reference: Path, tmp_path: Path) -> None:
-    kill_at = random.Random().randint(7, 27)
-    print(f"kill at batch {kill_at}")  # the seed of this scenario: rerun with it to reproduce
-    assert _run(tmp_path / "run", tmp_path, kill_at=kill_at) == -signal.SIGKILL
+def test_sigterm_then_sigkill_at_random_batches_resume_bitwise(reference: Path, tmp_path: Path
+                                                                ) -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")  # rerun a failure with random.Random(<seed>)
+    rng = random.Random(seed)
+    term_at = rng.randint(3, 12)   # SIGTERM: pitstop saves this batch (mid-accumulation or
+    kill_at = rng.randint(term_at + 3, 28)  # not) and exits; then a SIGKILL, no save
+    run = tmp_path / "run"
+    assert _run(run, tmp_path, term_at=term_at) in (-signal.SIGTERM, 128 + signal.SIGTERM)
+    assert _run(run, tmp_path, kill_at=kill_at, term_at=term_at) == -signal.SIGKILL
     assert not (tmp_path / "final.pt").exists()
-    _run(tmp_path / "run", tmp_path)  # the same command again
+    _run(run, tmp_path, term_at=term_at)  # the same command again
     (ref_starts, ref), (starts, got) = _losses(reference), _losses(tmp_path)
     assert ref_starts == [0] and sorted(got) == sorted(ref) == list(range(1, 33))
-    # resumed from a checkpoint at most 3 batches before the kill (saves every 3 optimizer
-    # steps and every 5 batches), not from the start
-    assert starts[0] == 0 and kill_at - 6 <= starts[1] <= kill_at, (starts, kill_at)
+    # the SIGTERM run saved the very batch it was told at; the killed one resumed from a
+    # checkpoint a few batches back (every 3 optimizer steps, every 5 batches), not the start
+    assert starts[:2] == [0, term_at] and kill_at - 6 <= starts[2] <= kill_at, (starts, kill_at)
     for n, values in got.items():
-        assert set(values) == {ref[n][0]}, f"batch {n}: {values} vs {ref[n]} (killed at {kill_at})"
-        assert len(values) == (2 if starts[1] < n <= kill_at else 1), (n, values, starts)
+        assert set(values) == {ref[n][0]}, f"batch {n}: {values} vs {ref[n]} (seed {seed})"
+        assert len(values) == (2 if starts[2] < n <= kill_at else 1), (n, values, starts)
     a = torch.load(reference / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "final.pt", weights_only=True)
     for k, v in a["model"].items():
