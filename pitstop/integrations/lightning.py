@@ -109,7 +109,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class _Referenced:
-    """Retention: the steps a pointer names, and the newest ``keep_last`` others."""
+    """Retention: the steps a pointer names, and the newest ``keep_last`` of those no
+    ``ModelCheckpoint`` removal let go (pitstop's own saves)."""
 
     def __init__(self, owner: PitstopCheckpoint) -> None:
         self.owner = owner
@@ -118,7 +119,8 @@ class _Referenced:
         if not self.owner._scanned:  # the pointers on disk are not known yet: keep all
             return {c.step for c in checkpoints}
         refs = self.owner._referenced()
-        others = sorted(c.step for c in checkpoints if c.step not in refs)
+        dropped = self.owner._dropped
+        others = sorted(c.step for c in checkpoints if c.step not in refs | dropped)
         return refs | set(others[-self.owner.keep_last:])
 
 
@@ -190,6 +192,8 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         self._pointers: dict[str, int] = {}
         #: what a restore left for on_train_start: (step, grads)
         self._pending: tuple[int, dict[str, Any]] | None = None
+        #: steps whose last pointer ModelCheckpoint removed (save_top_k): retention drops them
+        self._dropped: set[int] = set()
         #: whether the pointers on disk were read (retention deletes nothing before)
         self._scanned = False
         self._fallback_io = TorchCheckpointIO()
@@ -301,6 +305,7 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         _write_pointer(path, self.dirpath, step)
         with self._lock:
             self._pointers[path] = step
+            self._dropped.discard(step)
         if step not in self.manager.all_steps():
             self._save(step, checkpoint)
 
@@ -348,9 +353,14 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
                             "job was killed while saving it): resuming from step %d, the "
                             "newest committed before it", path, step, directory, older[-1])
                 step = older[-1]
-            tree = mgr.load(step)
             if step is None:
                 step = mgr.latest_step()
+            if step is not None:
+                # through restore: resuming an older step than the newest abandons the newer
+                # ones (moved aside at the first save), so no later save of this run is
+                # taken for one of theirs (the RNGs are set again at on_train_start)
+                mgr.restore({"rng": pitstop.RNG()}, step=step, strict=False)
+            tree = mgr.load(step)
         if not isinstance(tree, dict) or "lightning" not in tree:
             raise CheckpointError(
                 f"{path}: pitstop checkpoint of step {step} in {directory} was not written by "
@@ -364,11 +374,22 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
     def remove_checkpoint(self, path: Any) -> None:
         path = os.path.abspath(os.fspath(path))
         with self._lock:
-            self._pointers.pop(path, None)
+            step = self._pointers.pop(path, None)
+            if step is not None and step not in self._pointers.values():
+                self._dropped.add(step)
         if _read_pointer(path) is not None or os.path.islink(path):
             os.remove(path)
         elif os.path.exists(path):
             self._fallback_io.remove_checkpoint(path)
+        if step is not None and self._mgr is not None and not self._mgr.closed:
+            # the step goes now rather than at the next commit's retention
+            steps = self._mgr.all_steps()
+            if step in steps and step not in _Referenced(self).keep(
+                    [CheckpointInfo(s, {}) for s in steps]) and step != max(steps):
+                try:
+                    self._mgr.delete(step)
+                except CheckpointNotFoundError:
+                    pass  # retention, after a commit meanwhile, deleted it first
 
 
 def _batches_done(trainer: pl.Trainer) -> int:
