@@ -105,7 +105,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             "wrote, a pitstop run directory or one of its step_N directories)")
     directory, step = where
     with pitstop.CheckpointManager(directory, read_only=True) as mgr:
-        return _to_torch(mgr.load(step)["lightning"])  # type: ignore[no-any-return]
+        return _to_torch(mgr.load(_committed_step(mgr, step, path))["lightning"])  # type: ignore[no-any-return]
 
 
 class _Referenced:
@@ -175,7 +175,8 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
 
     def __init__(self, dirpath: str | os.PathLike[str], *, save_every_steps: int | None = None,
                  save_every_seconds: float | None = None, keep_last: int = 1,
-                 swap_dataloader: bool = True, **manager_options: Any) -> None:
+                 swap_dataloader: bool = True, nonfinite_guard: bool = False,
+                 **manager_options: Any) -> None:
         super().__init__()
         self.dirpath = os.path.abspath(os.fspath(dirpath)) if "://" not in os.fspath(dirpath) \
             else os.fspath(dirpath)
@@ -183,6 +184,10 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
             raise pitstop.InvalidArgumentError("keep_last must be at least 1")
         self.keep_last = keep_last
         self.swap_dataloader = swap_dataloader
+        #: a save whose weights or optimizer state hold NaN/inf is not taken: its path then
+        #: resumes from the newest save before it (the manager's own guard would also
+        #: refuse ModelCheckpoint's state, whose best score starts as inf)
+        self.nonfinite_guard = nonfinite_guard
         self._options = dict(save_every_steps=save_every_steps,
                              save_every_seconds=save_every_seconds, **manager_options)
         self._mgr: pitstop.CheckpointManager | None = None
@@ -312,8 +317,13 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
     def _save(self, step: int, checkpoint: dict[str, Any]) -> None:
         trainer = self._trainer
         assert trainer is not None
-        grads = {n: p.grad for n, p in trainer.lightning_module.named_parameters()
-                 if p.grad is not None}
+        module = trainer.lightning_module
+        if self.nonfinite_guard and not _all_finite(module, trainer.optimizers):
+            log.warning("pitstop: step %d not saved: the weights or the optimizer state hold "
+                        "NaN or inf (nonfinite_guard); its checkpoint path resumes from the "
+                        "newest save before it", step)
+            return
+        grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
         state = {"lightning": checkpoint, "grads": grads, "rng": pitstop.RNG()}
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
                    if isinstance(v, (int, float, torch.Tensor)) and torch.as_tensor(v).numel() == 1}
@@ -339,20 +349,10 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         directory, step = where
         if directory != self.dirpath:
             with pitstop.CheckpointManager(directory, read_only=True) as other:
-                tree = other.load(step)
+                tree = other.load(_committed_step(other, step, path))
         else:
             mgr = self.manager
-            if step is not None and step not in mgr.all_steps():
-                older = [s for s in mgr.all_steps() if s < step]
-                if not older:
-                    raise CheckpointNotFoundError(
-                        f"{path} names step {step} of {directory}, which was never committed "
-                        "(the job was killed while saving it) and no earlier step is there: "
-                        "start without ckpt_path")
-                log.warning("pitstop: %s names step %d of %s, which was never committed (the "
-                            "job was killed while saving it): resuming from step %d, the "
-                            "newest committed before it", path, step, directory, older[-1])
-                step = older[-1]
+            step = _committed_step(mgr, step, path)
             if step is None:
                 step = mgr.latest_step()
             if step is not None:
@@ -390,6 +390,32 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
                     self._mgr.delete(step)
                 except CheckpointNotFoundError:
                     pass  # retention, after a commit meanwhile, deleted it first
+
+
+def _committed_step(mgr: pitstop.CheckpointManager, step: int | None, path: Any) -> int | None:
+    """``step``, or when it was never committed (killed while saving; refused by
+    nonfinite_guard) the newest committed step before it, said."""
+    steps = mgr.all_steps()
+    if step is None or step in steps:
+        return step
+    older = [s for s in steps if s < step]
+    if not older:
+        raise CheckpointNotFoundError(
+            f"{path} names step {step} of {mgr.directory}, which was never committed (the job "
+            "was killed while saving it, or nonfinite_guard refused it) and no earlier step is "
+            "there: start without ckpt_path")
+    log.warning("pitstop: %s names step %d of %s, which was never committed (killed while "
+                "saving, or refused by nonfinite_guard): resuming from step %d, the newest "
+                "committed before it", path, step, mgr.directory, older[-1])
+    return older[-1]
+
+
+def _all_finite(module: torch.nn.Module, optimizers: Sequence[Any]) -> bool:
+    tensors = [p for p in module.parameters()]
+    for opt in optimizers:
+        tensors += [t for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _batches_done(trainer: pl.Trainer) -> int:

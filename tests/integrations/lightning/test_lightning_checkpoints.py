@@ -156,3 +156,26 @@ def test_only_as_a_plugin_it_says_where_it_goes(tmp_path: Path) -> None:
                    callbacks=[_ckpt(tmp_path, every_n_train_steps=1)])
     with pytest.raises(pitstop.CheckpointError, match="callbacks"):
         t.fit(Tiny(), _loader())
+
+
+class Diverges(Tiny):
+    """Its weights turn NaN after optimizer step 4."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == 4:
+            with torch.no_grad():
+                self.net[0].weight.fill_(float("nan"))
+
+
+def test_nonfinite_guard_resumes_from_the_newest_finite_save(tmp_path: Path) -> None:
+    mc = _ckpt(tmp_path, save_last=True, every_n_train_steps=1)
+    pit = PitstopCheckpoint(tmp_path / "pit", nonfinite_guard=True)
+    _trainer(tmp_path, 6, pit, mc).fit(Diverges(), _loader())
+    # the NaN steps were not taken: their paths name the newest save before them
+    assert load_checkpoint(mc.last_model_path)["global_step"] == 4
+    model = Tiny()
+    t = _trainer(tmp_path, 7, PitstopCheckpoint(tmp_path / "pit", nonfinite_guard=True),
+                 _ckpt(tmp_path, save_last=True))
+    t.fit(model, _loader(), ckpt_path="last")
+    assert t.global_step == 7 and model.note == {"steps": 4}
+    assert not model.net[0].weight.isnan().any()
