@@ -34,6 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 import pitstop
@@ -313,6 +314,8 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
             self._dropped.discard(step)
         if step not in self.manager.all_steps():
             self._save(step, checkpoint)
+        if trainer.state.status != TrainerStatus.RUNNING:
+            self.manager.wait()  # trainer.save_checkpoint(path) after fit: committed on return
 
     def _save(self, step: int, checkpoint: dict[str, Any]) -> None:
         trainer = self._trainer
