@@ -34,7 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 import pitstop
@@ -350,7 +350,14 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
             return self._fallback_io.load_checkpoint(path, map_location=map_location,
                                                      weights_only=weights_only)
         directory, step = where
-        if directory != self.dirpath:
+        fitting = self._trainer is None or self._trainer.state.fn == TrainerFn.FITTING
+        if directory != self.dirpath or not fitting:
+            # another run's directory, or validate/test/predict: read only, nothing resumes
+            if fitting:
+                log.warning("pitstop: %s is a checkpoint of %s, not of this callback's %s: "
+                            "training goes on from it, without its RNG states and accumulated "
+                            "gradients (not bitwise the run that saved it)", path, directory,
+                            self.dirpath)
             with pitstop.CheckpointManager(directory, read_only=True) as other:
                 tree = other.load(_committed_step(other, step, path))
         else:

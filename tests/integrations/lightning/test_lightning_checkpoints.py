@@ -179,3 +179,30 @@ def test_nonfinite_guard_resumes_from_the_newest_finite_save(tmp_path: Path) -> 
     t.fit(model, _loader(), ckpt_path="last")
     assert t.global_step == 7 and model.note == {"steps": 4}
     assert not model.net[0].weight.isnan().any()
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self):
+        return _loader()
+
+
+def test_datamodule_loader_is_swapped_and_validate_reads_without_resuming(tmp_path: Path) -> None:
+    from pitstop.adapters.torch import ResumableLoader
+
+    mc = _ckpt(tmp_path, save_last=True, every_n_train_steps=2)
+    t = _trainer(tmp_path, 4, PitstopCheckpoint(tmp_path / "pit"), mc)
+    t.fit(Tiny(), datamodule=Data())
+    assert isinstance(t.train_dataloader, ResumableLoader)
+    with pitstop.CheckpointManager(tmp_path / "pit", read_only=True) as mgr:
+        before = mgr.all_steps()
+
+    class Val(Tiny):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    model = Val()
+    t2 = _trainer(tmp_path, 4, PitstopCheckpoint(tmp_path / "pit"))
+    t2.validate(model, _loader(), ckpt_path=mc.best_model_path)
+    assert model.note == {"steps": 2 if "step=2" in mc.best_model_path else 4}
+    with pitstop.CheckpointManager(tmp_path / "pit", read_only=True) as mgr:
+        assert mgr.all_steps() == before  # nothing abandoned, nothing written
