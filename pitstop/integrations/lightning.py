@@ -238,7 +238,15 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         if stage != "fit":
             return
         _ = self.manager  # opened now: its signal handlers go under Lightning's (it calls ours)
-        if self.swap_dataloader:
+        if self.swap_dataloader and trainer.world_size > 1:
+            # Lightning puts a DistributedSampler into the loader, which ResumableLoader
+            # does not take (yet): the data position is not saved there
+            log.warning("pitstop: %d processes: the train DataLoader is not made resumable (a "
+                        "resume starts its epoch over, as Lightning's); pass a ResumableLoader "
+                        "with a ResumableSampler(num_replicas=, rank=) and "
+                        "Trainer(use_distributed_sampler=False) for an exact one",
+                        trainer.world_size)
+        elif self.swap_dataloader:
             source = trainer.fit_loop._data_source
             original = source.dataloader
 
