@@ -406,8 +406,10 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
                     [CheckpointInfo(s, {}) for s in steps]) and step != max(steps):
                 try:
                     self._mgr.delete(step)
-                except CheckpointNotFoundError:
-                    pass  # retention, after a commit meanwhile, deleted it first
+                except CheckpointError as e:
+                    # retention, after a commit meanwhile, is deleting it already (not found,
+                    # or its manifest gone); otherwise the next commit's retention retries
+                    log.debug("pitstop: step %d left to retention: %s", step, e)
 
 
 def _committed_step(mgr: pitstop.CheckpointManager, step: int | None, path: Any) -> int | None:
