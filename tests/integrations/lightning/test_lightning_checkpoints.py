@@ -206,3 +206,17 @@ def test_datamodule_loader_is_swapped_and_validate_reads_without_resuming(tmp_pa
     assert model.note == {"steps": 2 if "step=2" in mc.best_model_path else 4}
     with pitstop.CheckpointManager(tmp_path / "pit", read_only=True) as mgr:
         assert mgr.all_steps() == before  # nothing abandoned, nothing written
+
+
+def test_a_top_k_removal_racing_retention_does_not_end_fit(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Background retention may be deleting the step a save_top_k removal lets go: the
+    manager's delete then fails (manifest gone); fit goes on, retention finishes it."""
+    def deleting_already(self, step):
+        raise pitstop.CheckpointError(f"step {step}: its manifest cannot be read")
+
+    monkeypatch.setattr(pitstop.CheckpointManager, "delete", deleting_already)
+    mc = _ckpt(tmp_path, save_top_k=1, monitor="train_loss", every_n_train_steps=1)
+    t = _trainer(tmp_path, 6, PitstopCheckpoint(tmp_path / "pit"), mc)
+    t.fit(Tiny(), _loader())
+    assert t.global_step == 6 and len(os.listdir(tmp_path / "ckpts")) == 1
