@@ -8,7 +8,8 @@ import pytest
 def on_backends(*names: str):
     """Run a slow (multi-process) test on these backends only: the Keras folder runs once
     per backend, and such tests are spread across the runs to keep the suite short, with
-    the core promise (tests/adapters/keras/test_backup_and_restore.py's SIGKILL resume) on all."""
+    the core promise on each: one of tests/adapters/keras/test_backup_and_restore.py's SIGKILL
+    resume cases runs on each backend."""
     import keras
 
     return pytest.mark.skipif(keras.backend.backend() not in names,

@@ -14,6 +14,8 @@ from pitstop.testing import AdapterSuite, Bits
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 keras = pytest.importorskip("keras")
 
+from keras_helpers import on_backends  # noqa: E402
+
 import pitstop  # noqa: E402
 
 
@@ -26,6 +28,10 @@ def _model(units: int) -> keras.Model:
 
 
 class TestKerasConformance(AdapterSuite):
+    # a killed and two restarted Keras processes: on one backend (each backend's own SIGKILL
+    # resume is one of tests/adapters/keras/test_backup_and_restore.py's cases)
+    test_sigkill_resumes_exactly = on_backends("jax")(AdapterSuite.test_sigkill_resumes_exactly)
+
     def _state(self, units: int) -> dict[str, Any]:
         keras.utils.set_random_seed(0)  # python, numpy and the backend's global generators
         model = _model(units)
