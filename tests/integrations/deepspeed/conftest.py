@@ -16,12 +16,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 @pytest.fixture(scope="package")
 def ds_dist():
-    """One gloo rank for the in-process engines, torn down after the folder."""
+    """One gloo rank for the in-process engines, torn down after the folder, with the
+    environment put back: its RANK / WORLD_SIZE / MASTER_PORT would make the jobs later
+    tests start (the HF Trainer's, through accelerate) join this process's group."""
+    import os
+
     import ds_helpers
     import torch.distributed as dist
 
     fresh = not dist.is_initialized()
+    before = dict(os.environ)
     ds_helpers.init_distributed()
     yield
     if fresh and dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(before)

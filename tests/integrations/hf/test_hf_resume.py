@@ -36,6 +36,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
                HF_JOB_STEPS=str(STEPS), TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
     env.pop("PITSTOP_MEMORY_TIER", None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):  # a one-process job, whatever process group the tests have
+        env.pop(name, None)
     return env
 
 
