@@ -176,23 +176,42 @@ def _is_pitstop_path(path: Any) -> bool:
 
 
 def _patch_lightning_load() -> None:
-    """``LightningModule.load_from_checkpoint`` / ``LightningDataModule.load_from_checkpoint``
-    read pitstop checkpoints: the name ``pl_load`` that ``lightning.pytorch.core.saving``
-    (and only it) reads checkpoints with is wrapped; other paths go to Lightning's own."""
+    """Lightning's readers read pitstop checkpoints: the name ``pl_load`` (fabric's
+    ``cloud_io._load``) that ``lightning.pytorch.core.saving`` (``load_from_checkpoint`` of a
+    ``LightningModule`` / ``LightningDataModule``) and ``lightning.fabric.plugins.io.torch_io``
+    (``TorchCheckpointIO``: a ``Trainer`` without PitstopCheckpoint) read with is wrapped in
+    those two modules; any other path goes to Lightning's own reader, unchanged."""
+    from lightning.fabric.plugins.io import torch_io
     from lightning.pytorch.core import saving
 
-    original = saving.pl_load
-    if getattr(original, "_pitstop", False):
-        return
+    for module, in_trainer in ((saving, False), (torch_io, True)):
+        original = module.pl_load
+        if not getattr(original, "_pitstop", False):
+            module.pl_load = _wrapped(original, in_trainer)
 
+
+def _wrapped(original: Any, in_trainer: bool) -> Any:
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if _is_pitstop_path(path_or_url):
-            return _module_checkpoint(os.fspath(path_or_url), map_location)
-        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        if not _is_pitstop_path(path_or_url):
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        if in_trainer:
+            log.warning("pitstop: %s is read without PitstopCheckpoint in the Trainer: "
+                        "validate/test/predict read it as it is; a fit from it goes on as from "
+                        "Lightning's own .ckpt (its epoch's data starts over, the data loader's "
+                        "position and the RNGs are not set back): put PitstopCheckpoint(<its directory>) in "
+                        "Trainer(callbacks=[...]) for an exact resume", path_or_url)
+        checkpoint = _module_checkpoint(os.fspath(path_or_url), map_location)
+        if in_trainer:
+            # the position of the loader PitstopCheckpoint swapped in, which this Trainer's
+            # own loader cannot take (Lightning would refuse the whole checkpoint)
+            fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+            if isinstance(fit, dict):
+                fit.pop("combined_loader", None)
+        return checkpoint
 
     pl_load._pitstop = True  # type: ignore[attr-defined]
     pl_load.__wrapped__ = original  # type: ignore[attr-defined]
-    saving.pl_load = pl_load
+    return pl_load
 
 
 _patch_lightning_load()

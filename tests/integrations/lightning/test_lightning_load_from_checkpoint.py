@@ -83,10 +83,10 @@ class Data(pl.LightningDataModule):
         self.epochs_seen = state["epochs_seen"]
 
 
-def _trainer(root: Path, *callbacks, steps: int = 6) -> pl.Trainer:
+def _trainer(root: Path, *callbacks, steps: int = 6, **kw) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_progress_bar=False,
                       logger=False, enable_model_summary=False, default_root_dir=root,
-                      callbacks=list(callbacks), limit_val_batches=2, limit_test_batches=2)
+                      callbacks=list(callbacks), limit_val_batches=2, limit_test_batches=2, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_load_from_checkpoint_reads_a_pointer_as_lightnings_own_file(run) -> Non
     assert data.hparams.batch_size == 3 and data.epochs_seen == 7  # load_state_dict called
 
 
-def test_validate_best_and_test_a_path(run) -> None:
+def test_validate_best_and_test_a_path(run, caplog: pytest.LogCaptureFixture) -> None:
     root, trainer, mc = run
     with pitstop.CheckpointManager(root / "pit", read_only=True) as mgr:
         before = mgr.all_steps()
@@ -148,6 +148,14 @@ def test_validate_best_and_test_a_path(run) -> None:
     _trainer(root, PitstopCheckpoint(root / "pit")).test(fresh, datamodule=Data(),
                                                          ckpt_path=mc.last_model_path)
     assert fresh.loaded == {"steps": 6}
+    # a Trainer without the callback (an evaluation script): read as it is, said
+    plain = Net(width=6)
+    _trainer(root).test(plain, datamodule=Data(), ckpt_path=mc.best_model_path)
+    assert plain.loaded == {"steps": best}
+    assert "without PitstopCheckpoint" in caplog.text
+    onward = _trainer(root, steps=8, enable_checkpointing=False)
+    onward.fit(Net(width=6), datamodule=Data(), ckpt_path=mc.last_model_path)
+    assert onward.global_step == 8  # goes on as from Lightning's own .ckpt
     with pitstop.CheckpointManager(root / "pit", read_only=True) as mgr:
         assert mgr.all_steps() == before  # read, nothing resumed or written
 
