@@ -39,7 +39,12 @@ from torch.utils.data import DataLoader
 
 import pitstop
 from pitstop.adapters.torch import ResumableLoader
-from pitstop.core.errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from pitstop.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedStateError,
+)
 from pitstop.core.policy import CheckpointInfo
 from pitstop.interop.torch_save import _numpy_to_torch_tree
 
@@ -107,6 +112,109 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     directory, step = where
     with pitstop.CheckpointManager(directory, read_only=True) as mgr:
         return _to_torch(mgr.load(_committed_step(mgr, step, path))["lightning"])  # type: ignore[no-any-return]
+
+
+def _module_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+    """Lightning's checkpoint dict of the pitstop checkpoint ``path`` names, for
+    ``load_from_checkpoint``: exactly the step it names (a model for inference or fine-tuning
+    is never silently an older one), its tensors placed as ``torch.load``'s ``map_location``
+    would place tensors saved on the CPU."""
+    directory, step = _resolve(path) or (path, None)
+    try:
+        with pitstop.CheckpointManager(directory, read_only=True) as mgr:
+            steps = mgr.all_steps()
+            if step is None:
+                step = mgr.latest_step()
+            if step is None or step not in steps:
+                raise CheckpointNotFoundError(
+                    f"{path} names step {step} of {directory}, which is not there (deleted, or "
+                    "never committed: the job was killed while saving it, or nonfinite_guard "
+                    f"refused it); the steps there are {steps}: load another .ckpt of this run "
+                    "or one of its step_N directories")
+            tree = mgr.load(step)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(
+            f"{path} names step {step} of {directory}, which is corrupt ({e}): load another "
+            ".ckpt of this run or one of its step_N directories", checkpoint=e.checkpoint,
+            key=e.key, file=e.file) from e
+    if not isinstance(tree, dict) or "lightning" not in tree:
+        raise CheckpointError(
+            f"{path}: pitstop checkpoint of step {step} in {directory} was not written by "
+            "PitstopCheckpoint (no 'lightning' entry); read it with "
+            "pitstop.CheckpointManager.load instead")
+    return _placed(_to_torch(tree["lightning"]), map_location)
+
+
+def _placed(tree: Any, map_location: Any) -> Any:
+    """``tree`` with each (CPU) tensor where ``torch.load(map_location=...)`` puts a storage
+    saved at ``"cpu"``: a device or its name, a dict of locations, or a function
+    ``(storage, "cpu") -> storage or None``."""
+    if map_location is None:
+        return tree
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if callable(map_location):
+            moved = map_location(t.untyped_storage(), "cpu")
+            return t if moved is None else t.to(moved.device)
+        where = map_location.get("cpu", "cpu") if isinstance(map_location, dict) else map_location
+        return t.to(torch.device(where))
+
+    return apply_to_collection(tree, torch.Tensor, move)
+
+
+def _is_pitstop_path(path: Any) -> bool:
+    """Whether ``path`` is a local pointer ``.ckpt``, a pitstop step directory or a pitstop
+    run directory (anything else is left to Lightning's own reader)."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return False
+    p = Path(os.fspath(path))
+    if not p.is_dir():
+        return _read_pointer(str(p)) is not None
+    return (p / "manifest.json").is_file() or (p / ".pitstop").is_dir() or any(
+        (c / "manifest.json").is_file() for c in p.glob("step_*"))
+
+
+def _patch_lightning_load() -> None:
+    """Lightning's readers read pitstop checkpoints: the name ``pl_load`` (fabric's
+    ``cloud_io._load``) that ``lightning.pytorch.core.saving`` (``load_from_checkpoint`` of a
+    ``LightningModule`` / ``LightningDataModule``) and ``lightning.fabric.plugins.io.torch_io``
+    (``TorchCheckpointIO``: a ``Trainer`` without PitstopCheckpoint) read with is wrapped in
+    those two modules; any other path goes to Lightning's own reader, unchanged."""
+    from lightning.fabric.plugins.io import torch_io
+    from lightning.pytorch.core import saving
+
+    for module, in_trainer in ((saving, False), (torch_io, True)):
+        original = module.pl_load
+        if not getattr(original, "_pitstop", False):
+            module.pl_load = _wrapped(original, in_trainer)
+
+
+def _wrapped(original: Any, in_trainer: bool) -> Any:
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if not _is_pitstop_path(path_or_url):
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        if in_trainer:
+            log.warning("pitstop: %s is read without PitstopCheckpoint in the Trainer: "
+                        "validate/test/predict read it as it is; a fit from it goes on as from "
+                        "Lightning's own .ckpt (its epoch's data starts over, the data loader's "
+                        "position and the RNGs are not set back): put PitstopCheckpoint(<its directory>) in "
+                        "Trainer(callbacks=[...]) for an exact resume", path_or_url)
+        checkpoint = _module_checkpoint(os.fspath(path_or_url), map_location)
+        if in_trainer:
+            # the position of the loader PitstopCheckpoint swapped in, which this Trainer's
+            # own loader cannot take (Lightning would refuse the whole checkpoint)
+            fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+            if isinstance(fit, dict):
+                fit.pop("combined_loader", None)
+        return checkpoint
+
+    pl_load._pitstop = True  # type: ignore[attr-defined]
+    pl_load.__wrapped__ = original  # type: ignore[attr-defined]
+    return pl_load
+
+
+_patch_lightning_load()
 
 
 class _Referenced:

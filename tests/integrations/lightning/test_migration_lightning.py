@@ -114,3 +114,38 @@ def test_an_old_ckpt_continues_as_lightning_would(tmp_path: Path) -> None:
     _, ma = _fit(tmp_path / "a", False, 7, ckpt_path=tmp_path / "old.ckpt")
     _, mb = _fit(tmp_path / "b", True, 7, ckpt_path=tmp_path / "old.ckpt")
     _same(ma.state_dict(), mb.state_dict(), "migrated")
+
+
+class WithHparams(Plain):
+    def __init__(self, width: int = 8, lr: float = 1e-2, tags: tuple = ("a",),
+                 opts: dict | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_step = checkpoint["global_step"]
+
+
+def test_load_from_checkpoint_of_best_model_path_is_the_same(tmp_path: Path) -> None:
+    """Model.load_from_checkpoint(best_model_path) after the same training, through
+    Lightning's own .ckpt and through PitstopCheckpoint's pointer: the same module."""
+    hp = dict(width=5, lr=3e-3, tags=("x", "y"), opts={"betas": [0.9, 0.99], "name": "adam",
+                                                        "none": None, "flag": True})
+    paths = []
+    for name, with_pitstop in (("a", False), ("b", True)):
+        root = tmp_path / name
+        cbs = [ModelCheckpoint(dirpath=root / "ckpts", **MC)]
+        if with_pitstop:
+            cbs.insert(0, PitstopCheckpoint(root / "pit"))
+        t = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, enable_progress_bar=False,
+                       logger=False, enable_model_summary=False, default_root_dir=root,
+                       callbacks=cbs)
+        t.fit(WithHparams(**hp), _loader())
+        paths.append(t.checkpoint_callback.best_model_path)
+    assert Path(paths[0]).name == Path(paths[1]).name
+    own, ours = (WithHparams.load_from_checkpoint(p, map_location="cpu") for p in paths)
+    _same(own.state_dict(), ours.state_dict(), "state_dict")
+    assert dict(own.hparams) == dict(ours.hparams) == hp
+    assert own.loaded_step == ours.loaded_step > 0
+    own, ours = (WithHparams.load_from_checkpoint(p, lr=0.5, strict=True) for p in paths)
+    assert own.hparams == ours.hparams and ours.hparams.lr == 0.5
