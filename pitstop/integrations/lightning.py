@@ -387,7 +387,25 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
         # both the Callback's teardown(trainer, pl_module, stage) and CheckpointIO's
         # teardown() (the strategy's, no arguments): the manager closes after fit
         if stage == "fit" and self._mgr is not None:
+            if not self._mgr.closed:
+                self._sweep()
             self._mgr.close()
+
+    def _sweep(self) -> None:
+        """After fit, delete the steps ModelCheckpoint let go whose deletion was left to a
+        later commit's retention (the removals after the last saves have none)."""
+        mgr = self._mgr
+        assert mgr is not None
+        try:
+            mgr.wait()
+            steps = mgr.all_steps()
+            keep = _Referenced(self).keep([CheckpointInfo(s, {}) for s in steps])
+            for s in steps:
+                if s not in keep and s != max(steps):
+                    mgr.delete(s)
+        except CheckpointError as e:
+            log.warning("pitstop: a step ModelCheckpoint removed is left in %s: %s",
+                        mgr.directory, e)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
