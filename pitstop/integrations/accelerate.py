@@ -88,6 +88,35 @@ def _shard_class(cls: type) -> type:
     return _SHARD_CLASSES[cls]
 
 
+def _no_second_skip(original: Any) -> Any:
+    """``accelerator.skip_first_batches`` for a loader Checkpointing tracks. Restored
+    mid-epoch, that loader already starts at the next batch: accelerate's resume recipe
+    (``skip_first_batches(dl, resume_step)``) would build an untracked loader over
+    accelerate's own sampler, of another order, so the resumed epoch would silently see
+    other samples. It gets the loader itself, with a warning; other loaders, accelerate's."""
+    if getattr(original, "_pitstop_no_second_skip", False):
+        return original
+
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        base = vars(dataloader).get("base_dataloader") if hasattr(dataloader, "__dict__") else None
+        if num_batches and type(base) in _SHARD_BASES:
+            if dict(getattr(dataloader, "dl_state_dict", None) or {}).get("position"):
+                log.warning(
+                    "pitstop: accelerator.skip_first_batches(dataloader, %d) on a loader that "
+                    "Checkpointing restored mid-epoch: it already starts at the next batch, so "
+                    "it is returned as it is (skipping again would train on other batches "
+                    "than the run it resumes). Iterate the prepared loader itself.",
+                    num_batches)
+                return dataloader
+            log.warning("pitstop: accelerator.skip_first_batches(dataloader, %d) returns a new "
+                        "loader whose position Checkpointing does not save; after a restore, "
+                        "iterate the prepared loader itself", num_batches)
+        return original(dataloader, num_batches)
+
+    skip_first_batches._pitstop_no_second_skip = True  # type: ignore[attr-defined]
+    return skip_first_batches
+
+
 class _ShardPosition:
     """The saved position of one prepared DataLoaderShard: its ResumableLoader's state as
     the shard last handed a batch to the loop, and the shard's epoch counter."""
@@ -212,6 +241,8 @@ class Checkpointing:
         except BaseException:
             self.manager.close()
             raise
+        # accelerate's resume recipe, kept by a migrating loop, must not skip a second time
+        accelerator.skip_first_batches = _no_second_skip(accelerator.skip_first_batches)
 
     # ------------------------------------------------------------------ the state
     def _build_state(self, extra: dict[str, Any]) -> dict[str, Any]:

@@ -411,3 +411,29 @@ def test_import_runs_no_code_from_the_folder(tmp_path: Path) -> None:
         import_accelerate_checkpoint(folder, tmp_path / "runs", step=0)
     assert not (tmp_path / "ran").exists()
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("step_*"))
+
+
+def test_accelerates_resume_recipe_kept_in_the_loop_does_not_skip_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A loop migrated from accelerate that keeps its resume recipe
+    (``accelerator.skip_first_batches(dl, resume_step)`` after the restore) trains on the
+    rest of the uninterrupted epoch, not on the tail of accelerate's own permutation (an
+    untracked loader whose batches differ: before the fix, samples seen twice or never)."""
+    objs = make()
+    ckpt = Checkpointing(objs[0], tmp_path / "runs")
+    whole = [x for x, _ in objs[3]]  # epoch 0 of this loader, uninterrupted
+    ckpt.close()
+    objs = make()
+    with Checkpointing(objs[0], tmp_path / "runs") as ckpt:
+        for i, _ in enumerate(objs[3]):
+            if i == 2:
+                break
+        ckpt.save().wait()  # three batches handed out
+    acc, *_ = fresh = make()
+    with Checkpointing(acc, tmp_path / "runs") as again:
+        again.restore()
+        with caplog.at_level("WARNING", logger="pitstop"):
+            rest = [x for x, _ in acc.skip_first_batches(fresh[3], 3)]
+    assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(whole[3:], rest,
+                                                                     strict=True))
+    assert "already starts at the next batch" in caplog.text

@@ -105,8 +105,9 @@ def test_sigkill_then_sigterm_resume_is_bitwise_exact(tmp_path: Path) -> None:
     second.signal(signal.SIGTERM)  # to the group, workers too: pitstop saves, then exits
     rc = second.finish()
     assert rc in (-signal.SIGTERM, 128 + signal.SIGTERM), (note, rc, second.stderr())
-    # the signal lands some batches after k2 (the child runs on while the line is read);
-    # the job stops at the first optimizer step after it, having saved that step
+    # the signal lands at or some batches after k2 (the child prints a batch's line before
+    # its ckpt.step(), and runs on while the line is read); the job stops at the first
+    # optimizer step from there, having saved that step (k2 itself when it ends a step)
     boundary = second.losses()[-1][0]
     assert boundary >= k2 and global_step_after(boundary) > global_step_after(boundary - 1), (
         note, boundary)
