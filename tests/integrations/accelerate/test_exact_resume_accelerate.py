@@ -131,7 +131,9 @@ def test_sigkill_then_sigterm_resume_is_bitwise_exact(tmp_path: Path) -> None:
     assert sorted(seen) == sorted(want), note
     # the resumed runs start at the batch after their checkpoint: none is trained twice
     # beyond what the checkpoint did not hold, and none is skipped
-    assert second.losses()[0][0] <= k1 + 1 and third.losses()[0][0] == boundary + 1, note
+    # (the SIGKILL lands some batches after k1 under load: the first run's last batch bounds it)
+    assert second.losses()[0][0] <= first.losses()[-1][0] + 1, note
+    assert third.losses()[0][0] == boundary + 1, note
 
     a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
