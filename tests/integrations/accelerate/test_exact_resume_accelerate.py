@@ -133,7 +133,9 @@ def test_sigkill_then_sigterm_resume_is_bitwise_exact(tmp_path: Path) -> None:
     # beyond what the checkpoint did not hold, and none is skipped
     # (the SIGKILL lands some batches after k1 under load: the first run's last batch bounds it)
     assert second.losses()[0][0] <= first.losses()[-1][0] + 1, note
-    assert third.losses()[0][0] == boundary + 1, note
+    # (a SIGTERM landing in the last batch leaves the third run nothing to train)
+    assert [b for b, _ in third.losses()][:1] == ([boundary + 1] if boundary < 2 * PER_EPOCH
+                                                  else []), note
 
     a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
