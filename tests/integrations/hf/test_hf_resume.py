@@ -147,6 +147,8 @@ def test_sigkill_then_sigterm_resume_exactly(tmp_path: Path, zygote) -> None:
     _until_step(first, kill_at)
     os.killpg(first.pid, signal.SIGKILL)      # the job and its DataLoader workers
     assert first.wait() == -signal.SIGKILL
+    # under load the SIGKILL lands some steps after the line read: the last step it printed
+    done = max([kill_at] + [int(x.split()[1]) for x in first.tail if x.startswith("step ")])
 
     second = Job(zygote, out)
     lines = _until_step(second, STEPS - 2)
@@ -157,7 +159,7 @@ def test_sigkill_then_sigterm_resume_exactly(tmp_path: Path, zygote) -> None:
     resumed = _losses(lines)
     assert resumed, "\n".join(lines[-30:])
     first_step = min(s for s, _ in resumed)
-    assert first_step <= kill_at + 1, f"resumed at {first_step}, killed after {kill_at}"
+    assert first_step <= done + 1, f"resumed at {first_step}, killed after step {done}"
     ref_losses, ref_final = _uninterrupted(tmp_path / "whole")
     for key, value in resumed.items():
         assert value == ref_losses[key], f"seed {seed}: loss of step/micro {key} differs"
