@@ -72,7 +72,17 @@ def _shard_iter(self: Any) -> Any:
     handed = {k: v for k, v in self._pitstop_shard.dl_state_dict.items() if k != _FINISHED}
     if handed != self.state_dict():
         self.load_state_dict(handed)
-    return _SHARD_BASES[type(self)].__iter__(self)
+    # the shard's epoch, to the loader itself (the shard's set_epoch reaches only a sampler
+    # with one): the epoch a save at its last batch left used up yields nothing
+    self.set_epoch(self._pitstop_shard.iteration)
+    it = _SHARD_BASES[type(self)].__iter__(self)
+    if it.used_up:
+        # resumed from a save at an epoch's last batch: this epoch yields nothing, so the
+        # code after the loop's inner loop (a per-epoch scheduler step, an evaluation) runs
+        # for it, as in the uninterrupted run; the shard does not count an empty epoch done
+        # by itself, so it is counted here
+        self._pitstop_shard.iteration += 1
+    return it
 
 
 _SHARD_CLASSES: dict[type, type] = {}  # loader class -> its shard class
@@ -127,7 +137,8 @@ class _ShardPosition:
     def state_dict(self) -> dict[str, Any]:
         sd = dict(self.shard.dl_state_dict)
         sd.pop(_FINISHED, None)
-        return {"loader": sd, "iteration": _epoch_of_next_batch(self.shard)}
+        # (saved at an epoch's last batch: that epoch, used up; see _shard_iter)
+        return {"loader": sd, "iteration": int(self.shard.iteration)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         base = self.shard.base_dataloader

@@ -287,6 +287,12 @@ class _TrackedIter:
     def __iter__(self) -> _TrackedIter:
         return self
 
+    @property
+    def used_up(self) -> bool:
+        """True for the iteration of an epoch used up already (a resume saved right after
+        its last batch): it yields nothing, and the next iteration starts the next epoch."""
+        return self.it is _NOTHING
+
     def __next__(self) -> Any:
         if self.generation != self.progress.generation:
             self._restart()

@@ -4,6 +4,7 @@ save_state/load_state and through Checkpointing, compared), and a user's mistake
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -437,3 +438,41 @@ def test_accelerates_resume_recipe_kept_in_the_loop_does_not_skip_again(
     assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(whole[3:], rest,
                                                                      strict=True))
     assert "already starts at the next batch" in caplog.text
+
+
+def test_a_save_at_an_epochs_last_step_runs_the_code_after_that_epoch_on_resume(
+        tmp_path: Path) -> None:
+    """Saved at an epoch's last optimizer step (inside the loop), a resume iterates that
+    epoch once more, empty, so what the loop does after it (a scheduler stepped per epoch)
+    runs for it as in the uninterrupted run; the weights then end bitwise equal."""
+
+    def run(stop: int | None = None):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.2),
+                                    torch.nn.Linear(8, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        model, opt, dl, sched = acc.prepare(model, opt, torch.utils.data.DataLoader(
+            data, batch_size=4, shuffle=True), sched)
+        with Checkpointing(acc, tmp_path / "run", save_every_steps=3) as ckpt:
+            ckpt.restore()
+            for _epoch in range(dl.iteration, 3):  # 10 batches, 3 optimizer steps an epoch
+                for x, y in dl:
+                    with acc.accumulate(model):
+                        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                        opt.step()
+                        opt.zero_grad()
+                    ckpt.step()
+                    if ckpt.global_step == stop and acc.sync_gradients:
+                        return None  # stopped at step 4: the newest save is step 3's
+                sched.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    whole = run()
+    shutil.rmtree(tmp_path / "run")
+    assert run(stop=4) is None
+    assert torch.equal(run(), whole)
