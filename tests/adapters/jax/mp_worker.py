@@ -446,8 +446,10 @@ def die(ctx: Ctx) -> dict[str, Any]:
     victim = ctx.args["victim"]
     timeout = ctx.args.get("timeout_s")
     dist: Any = JaxCoordinator(timeout_s=timeout) if timeout else "auto"
-    mgr = pitstop.CheckpointManager(ctx.dir, distributed=dist)
     state, _ = make_state(1, ctx.process)
+    if timeout:  # every process here first: a short timeout is for the death, not start-up
+        JaxCoordinator(name="sync", timeout_s=60).all_gather(b"", what="sync")
+    mgr = pitstop.CheckpointManager(ctx.dir, distributed=dist)
     mgr.save(1, state).wait()
     mark("saved 1")
 
