@@ -193,6 +193,8 @@ def _patch_lightning_load() -> None:
 def _wrapped(original: Any, in_trainer: bool) -> Any:
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if not _is_pitstop_path(path_or_url):
+            # not pitstop's: Lightning's own reader, unchanged, with the caller's weights_only
+            # (pitstop unpickles nothing here; what Lightning loads is as without pitstop)
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         if in_trainer:
             log.warning("pitstop: %s is read without PitstopCheckpoint in the Trainer: "
@@ -461,8 +463,9 @@ class PitstopCheckpoint(Callback, CheckpointIO):  # type: ignore[misc]
                         weights_only: bool | None = None) -> dict[str, Any]:
         where = _resolve(os.fspath(path))
         if where is None:
-            # a checkpoint Lightning wrote itself (torch.save): the migration path; the
-            # next saves are pitstop's
+            # a checkpoint Lightning wrote itself (torch.save): the migration path, read by
+            # Lightning's own CheckpointIO with the caller's weights_only (as without pitstop:
+            # pitstop's own checkpoints are never unpickled); the next saves are pitstop's
             log.warning("pitstop: %s is not a pitstop checkpoint; loading it as Lightning's own "
                         "file (torch.load). Saves from here on are pitstop's.", path)
             return self._fallback_io.load_checkpoint(path, map_location=map_location,

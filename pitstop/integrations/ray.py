@@ -319,7 +319,7 @@ class Checkpointing:
 
 def _step_entry(path: str) -> int:
     """The ``"step"`` (else ``"global_step"``) entry of a ``torch.save`` file."""
-    try:
+    try:  # weights_only: torch's restricted unpickler (tensors, plain values; no code runs)
         obj = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - reported with what to do
         raise CheckpointError(f"pitstop.integrations.ray: cannot read {path} with "
