@@ -8,12 +8,22 @@ SIGINT as Python does by default here also makes exec'd children start with SIGI
 default, as in an interactive terminal.
 """
 
+import atexit
+import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import pitstop
+
+# C++ extensions (DeepSpeed's CPU ops) build in a folder of this run's own: a lock file a
+# killed build left in ~/.cache/torch_extensions would make every start wait forever.
+_EXTENSIONS = tempfile.mkdtemp(prefix="pitstop-tests-torch-ext-")
+os.environ["TORCH_EXTENSIONS_DIR"] = _EXTENSIONS
+atexit.register(shutil.rmtree, _EXTENSIONS, True)
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -13,11 +13,22 @@ import torch
 MICRO, ACCUMULATION = 4, 2
 
 
+def skip_shm_kernel() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce kernel (C++, tens of
+    seconds on two cores, behind a lock file in ~/.cache/torch_extensions that a process killed
+    while compiling leaves behind, and every later start waits on forever). gloo does the same
+    allreduce, so the tests go without it: the checkpoint paths under test do not touch it."""
+    import deepspeed.comm.torch as ds_torch
+
+    ds_torch.build_shm_op = lambda: None
+
+
 def init_distributed() -> None:
     """One gloo rank, as the deepspeed launcher would set it up (before deepspeed imports)."""
     import deepspeed
     import torch.distributed as dist
 
+    skip_shm_kernel()
     if dist.is_initialized():
         return
     with socket.socket() as s:

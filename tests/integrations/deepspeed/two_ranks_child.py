@@ -35,6 +35,7 @@ def _job(seed: int, rank: int):
 
 def main() -> None:
     directory, rank = sys.argv[1], int(os.environ["RANK"])
+    h.skip_shm_kernel()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     engine, state = _job(0, rank)
     with pitstop.CheckpointManager(directory, on_busy="wait") as mgr:
