@@ -18,9 +18,13 @@ def skip_shm_kernel() -> None:
     seconds on two cores, behind a lock file in ~/.cache/torch_extensions that a process killed
     while compiling leaves behind, and every later start waits on forever). gloo does the same
     allreduce, so the tests go without it: the checkpoint paths under test do not touch it."""
-    import deepspeed.comm.torch as ds_torch
+    import importlib
 
-    ds_torch.build_shm_op = lambda: None
+    # by its module's name: ``import deepspeed.comm.torch as m`` gives torch itself (the
+    # package deepspeed.comm binds the name ``torch`` to it)
+    backend = importlib.import_module("deepspeed.comm.torch")
+    assert hasattr(backend, "build_shm_op"), "DeepSpeed moved build_shm_op: update this"
+    backend.build_shm_op = lambda: None
 
 
 def init_distributed() -> None:
