@@ -200,6 +200,7 @@ class CheckpointManager(Saving, Ranks, DirectoryReader):
         ctx.now = time.monotonic()
         ctx.metrics = clean or None
         if not policy.should_save(step, ctx):
+            self._prepare_staging(state)  # once: the first save then finds its memory ready
             return None
         with self._api_lock:
             if step in self._catalog.index or step in engine.pending_steps():
@@ -259,6 +260,7 @@ class CheckpointManager(Saving, Ranks, DirectoryReader):
         if restored is None:
             return None
         assert report is not None
+        self._prepare_staging(flat=_flat)
         self._restored(restored, explicit=step is not None)
         return RestoredStep(restored, report)
 

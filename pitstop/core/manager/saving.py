@@ -29,6 +29,9 @@ log = logging.getLogger("pitstop")
 class Saving:
     """The manager's saving half (see :class:`~pitstop.core.manager.CheckpointManager`)."""
 
+    #: the staging buffer was asked for ahead of the first save (:meth:`_prepare_staging`)
+    _staging_asked = False
+
     # ================================================================== saving
     def _save_now(self, engine: Engine, step: int, state: Any,
                   metrics: Mapping[str, Any] | None,
@@ -64,6 +67,37 @@ class Saving:
                                     user_metadata=user_metadata)
         assert handle is not None
         return handle
+
+    def _prepare_staging(self, state: Any = None, flat: FlatState | None = None) -> None:
+        """Once per manager, at the first ``step()`` that does not save or a ``restore()``
+        that restored: start making the staging buffer off the training thread, so that the
+        first save's stall is a copy like every later one's. Best effort: on any trouble the
+        first save allocates it, as it always did."""
+        engine = self._engine
+        if self._staging_asked or engine is None or self._coord is not None:
+            return
+        self._staging_asked = True
+        try:
+            if flat is None:
+                with _no_gc():
+                    flat = flatten(state, self._resolve, self._flatten_cache)
+            engine.prepare_staging(flat)
+        except Exception:  # noqa: BLE001 - an optimisation; the save reports real trouble
+            log.debug("pitstop: the staging buffer could not be prepared ahead", exc_info=True)
+
+    def _first_allocation_note(self, stats: SaveStats) -> None:
+        """The first save of a manager that had to make its staging buffer itself says why
+        (that is most of its stall), once."""
+        pool = self.pool
+        why = pool.first_allocation
+        if why is None or why == "prepared" or pool.first_allocation_told:
+            return
+        pool.first_allocation_told = True
+        if stats.bytes >= 16 * 2**20:
+            log.info("pitstop: the save of step %d made its %.0f MiB staging buffer itself "
+                     "(%s): most of its %.2f s stall; later saves reuse it. A step() or "
+                     "restore() before the first save prepares it off the training thread.",
+                     stats.step, stats.bytes / 2**20, why, stats.stall_s)
 
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None, *, block: bool,
               periodic: bool, user_metadata: Mapping[str, Any] | None = None
@@ -115,6 +149,7 @@ class Saving:
         stats.stall_s = time.perf_counter() - t0
         stats.bytes = buf.layout.total
         stats.arrays = len(flat.arrays)
+        self._first_allocation_note(stats)
         job = PersistJob(step=step, buffer=buf, values=values, structure=flat.structure,
                          metrics=clean, handle=handle, user_metadata=user_meta,
                          check_finite=self.nonfinite_guard, nonfinite_metrics=nonfinite,

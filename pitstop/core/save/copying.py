@@ -47,16 +47,24 @@ class Snapshots:
     _last_sig: list[Any] | None
     _last_layout: Layout | None
 
-    def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
-        """Copy every array of ``flat`` into a staging buffer; None when none is free and
-        ``block`` is False. This is the whole stall of an asynchronous save."""
+    def _layout_of(self, flat: FlatState) -> tuple[dict[str, ArrayLeaf], Layout]:
         arrays = flat.arrays if not flat.sharded else pieces_of(flat, self.coordinator is None)
         sig = [(k, leaf.shape, leaf.dtype) for k, leaf in arrays.items()]
         if sig == self._last_sig and self._last_layout is not None:
-            layout = self._last_layout  # same keys, shapes, dtypes: reuse, allocate nothing
-        else:
-            layout = Layout.of(arrays, self.writer_threads)
-            self._last_sig, self._last_layout = sig, layout
+            return arrays, self._last_layout  # same keys, shapes, dtypes: allocate nothing
+        layout = Layout.of(arrays, self.writer_threads)
+        self._last_sig, self._last_layout = sig, layout
+        return arrays, layout
+
+    def prepare_staging(self, flat: FlatState) -> bool:
+        """Start making the staging buffer ``flat`` will be copied into, off the caller's
+        thread (see :meth:`StagingPool.prepare`); False when one exists or is being made."""
+        return self.pool.prepare(self._layout_of(flat)[1])
+
+    def snapshot(self, flat: FlatState, step: int, block: bool) -> StagingBuffer | None:
+        """Copy every array of ``flat`` into a staging buffer; None when none is free and
+        ``block`` is False. This is the whole stall of an asynchronous save."""
+        arrays, layout = self._layout_of(flat)
         buf = self.pool.acquire(layout, block)
         if buf is None:
             return None

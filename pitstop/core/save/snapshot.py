@@ -9,9 +9,11 @@ from it and finish persisting it (see :mod:`pitstop.core.save.memtier`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +30,35 @@ from pitstop.core.tree import ArrayLeaf
 log = logging.getLogger("pitstop")
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): maps every page in bulk like MAP_POPULATE, but
+#: called through ctypes, which lets go of Python's lock (mmap() with MAP_POPULATE, and
+#: mmap.madvise, hold it for the whole population: seconds for a GiB on a virtual machine,
+#: during which a staging buffer made ahead on its own thread would stall training)
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(m: mmap.mmap, size: int) -> bool:
+    """Map every page of ``m`` now without holding Python's lock; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        view = np.frombuffer(m, np.uint8)
+        addr = view.ctypes.data
+        del view
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size),
+                            MADV_POPULATE_WRITE) == 0
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def _mapped(fd: int, size: int, flags: int) -> mmap.mmap:
+    """``size`` bytes mapped from ``fd`` (-1: anonymous), every page present."""
+    m = mmap.mmap(fd, size, flags=flags)
+    if _populate(m, size):
+        return m
+    m.close()  # an older kernel (EINVAL): map it again the old way
+    return mmap.mmap(fd, size, flags=flags | _POPULATE)
 SMALL_ALIGN = 64
 LARGE_ALIGN = 4096
 LARGE = 1 << 20
@@ -123,7 +154,7 @@ class StagingBuffer:
                     # reserve tmpfs pages now: a full /dev/shm fails here with ENOSPC, not
                     # with SIGBUS in the middle of a snapshot
                     os.posix_fallocate(fd, 0, size)
-                self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                self._mmap = _mapped(fd, size, mmap.MAP_SHARED)
             except BaseException:
                 if not attach:
                     _unlink(shm_path)
@@ -132,11 +163,10 @@ class StagingBuffer:
                 os.close(fd)
             self.buf = np.frombuffer(self._mmap, np.uint8)
         else:
-            # anonymous mmap: page-aligned (O_DIRECT writes need it), zero-filled
-            # MAP_POPULATE maps every page now, in bulk (about twice as fast as faulting
-            # them in one by one during the first snapshot)
-            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                                   | _POPULATE)
+            # anonymous mmap: page-aligned (O_DIRECT writes need it), zero-filled, every
+            # page mapped now, in bulk (about twice as fast as faulting them in one by one
+            # during the first snapshot)
+            self._mmap = _mapped(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.buf = np.frombuffer(self._mmap, np.uint8)
             if not _POPULATE:
                 self.buf[::4096] = 0
@@ -208,6 +238,14 @@ class StagingPool:
         self.on_tier_failure = on_tier_failure
         self.buffers: list[StagingBuffer] = []
         self.cond = threading.Condition()
+        #: the thread allocating a buffer ahead of the first save (:meth:`prepare`)
+        self._preparing: threading.Thread | None = None
+        self._closed = False
+        self._acquired = False
+        #: how the first buffer came to be: "prepared" (ahead of the save, off its thread),
+        #: or why the save had to allocate it itself
+        self.first_allocation: str | None = None
+        self.first_allocation_told = False
 
     def can_acquire(self) -> bool:
         """True when :meth:`acquire` would not wait now (and will not until this thread
@@ -216,9 +254,50 @@ class StagingPool:
             return len(self.buffers) < self.capacity or \
                 any(not b.busy or b.held for b in self.buffers)
 
+    def prepare(self, layout: Layout) -> bool:
+        """Allocate (and fault in) the first buffer for ``layout`` on a thread of its own, so
+        the first save copies into memory that is ready instead of paying for it inside its
+        stall (seconds for a GiB on a virtual machine that hands pages back to its host).
+        False when there is nothing to prepare: a buffer exists or is being made."""
+        with self.cond:
+            if self.buffers or self._preparing_now() or self._closed:
+                return False
+            thread = threading.Thread(target=self._prepare, args=(layout,), daemon=True,
+                                      name="pitstop-staging")
+            self._preparing = thread
+            thread.start()
+            return True
+
+    def _preparing_now(self) -> bool:
+        # a thread of this process still allocating (in a forked child it is not alive)
+        return self._preparing is not None and self._preparing.is_alive()
+
+    def _prepare(self, layout: Layout) -> None:
+        buf = None
+        try:
+            buf = self._allocate(layout)
+        except Exception as e:  # noqa: BLE001 - the first save allocates then, and says why
+            why = f"preparing it ahead failed ({e})"
+        else:
+            why = "prepared"
+        with self.cond:
+            if buf is not None and self._closed:
+                buf.close()
+            elif buf is not None:
+                self.buffers.append(buf)
+            if not self._acquired:
+                self.first_allocation = why
+            self._preparing = None
+            self.cond.notify_all()
+
     def acquire(self, layout: Layout, block: bool) -> StagingBuffer | None:
         with self.cond:
             while True:
+                if self._preparing_now():
+                    # the first buffer is being made: waiting for it never costs more than
+                    # allocating another (and a save is never skipped for it)
+                    self.cond.wait(0.1)
+                    continue
                 free = [b for b in self.buffers if not b.busy]
                 same = [b for b in free if b.layout == layout]
                 if same:
@@ -229,6 +308,10 @@ class StagingPool:
                         old = free[0]
                         self.buffers.remove(old)
                         old.close()
+                    if not self._acquired and self.first_allocation in (None, "prepared"):
+                        self.first_allocation = (
+                            "the state's arrays changed since it was prepared" if free else
+                            "no step() or restore() saw the state before this save")
                     buf = self._allocate(layout)
                     self.buffers.append(buf)
                     break
@@ -237,6 +320,7 @@ class StagingPool:
                 self.cond.wait(0.1)  # in slices: lets the main thread run signal handlers
             buf.busy = True
             buf.generation += 1
+            self._acquired = True
             return buf
 
     def hold(self, buf: StagingBuffer, generation: int) -> bool:
@@ -295,6 +379,11 @@ class StagingPool:
             return not any(b.busy for b in self.buffers)
 
     def close(self, unlink: bool = True) -> None:
+        with self.cond:
+            self._closed = True
+            preparing = self._preparing if self._preparing_now() else None
+        if preparing is not None and preparing is not threading.current_thread():
+            preparing.join()  # it closes what it made (a memory-tier file is removed)
         with self.cond:
             for b in self.buffers:
                 b.close(unlink=unlink)
