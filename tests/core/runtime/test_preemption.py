@@ -145,7 +145,7 @@ def test_the_watcher_polls_each_source_at_most_once_a_second_and_tells_new_notic
                          ("azure", "/metadata/scheduledevents")):
         times = [r[4] for r in fake.requests if r[0] == source and r[2].split("?")[0] == path]
         assert len(times) >= 3, (source, times)
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         assert min(gaps) >= 0.95, (source, gaps)  # (the server's clock: a little slack)
 
 
@@ -300,7 +300,7 @@ def test_preemption_exit_exits_like_sigterm_once_the_save_is_durable(tmp_path, f
     assert proc.returncode == -signal.SIGTERM, err  # 143 in a shell, as SIGTERM's save
     [rec] = records(d)
     assert rec["source"] == "azure" and rec["durable_unix"] is not None and rec["step"] > 3
-    assert f"preemption notice from azure at" in err and f"saved step {rec['step']}" in err
+    assert "preemption notice from azure at" in err and f"saved step {rec['step']}" in err
     with pitstop.CheckpointManager(d, read_only=True) as reader:
         assert reader.latest_step() == rec["step"]
 
