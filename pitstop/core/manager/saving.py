@@ -272,8 +272,7 @@ class Saving:
                     self._notice_saved(notice, step, expected, fits, e)
                     raise
                 self._notice_saved(notice, step, expected, fits, None)
-                if notice is None or notice.source.startswith("SIG") and \
-                        notice.deadline_unix is None:
+                if notice is None or _plain(notice):
                     log.warning("pitstop: saved step %d after %s", step, name)
                 return handle
             try:
@@ -285,8 +284,7 @@ class Saving:
                 log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
                           "signal asks without it", step, name, e)
         self._notice_saved(notice, step, expected, fits, error)
-        if taken and error is None and (notice is None or notice.source.startswith("SIG")
-                                        and notice.deadline_unix is None):
+        if taken and error is None and (notice is None or _plain(notice)):
             log.warning("pitstop: saved step %d after %s", step, name)
         try:
             self.close()
@@ -304,7 +302,12 @@ class Saving:
         durable = time.time() if error is None and step in self._catalog.index else None
         if durable is None and error is None:
             return  # nothing was saved for it (this step was saved before)
-        # a plain signal without a deadline keeps its own line ("saved step N after SIG...")
-        say = not (notice.source.startswith("SIG") and notice.deadline_unix is None)
-        preemption.report(self.storage, notice, step, expected, fits, durable, say=say,
+        preemption.report(self.storage, notice, step, expected, fits, durable,
+                          say=not _plain(notice),
                           record=self._coord is None or self._coord.leader, error=error)
+
+
+def _plain(notice: Notice) -> bool:
+    """A signal without a deadline: it keeps its own line ("saved step N after SIGTERM")
+    instead of the preemption notice's; it is recorded all the same."""
+    return notice.source.startswith("SIG") and notice.deadline_unix is None

@@ -252,11 +252,16 @@ def test_a_deadline_out_of_reach_warns_and_saves_by_the_fastest_path(tmp_path, f
         (s, engine.compression, engine.incremental))
     state = {"w": np.arange(1000.0)}
     mgr.save(0, state).wait()  # measured: the expected persist time
+    tier = engine.tier
+    if tier is not None:  # (where /dev/shm is usable) a normal save is described there
+        assert [m.get("step") for m, _ in tier.candidates()] == [0]
     fake.announce("aws", in_seconds=0)  # the deadline is now: nothing fits
     until(lambda: mgr._signals.pending is not None, what="the notice")
     assert mgr.step(1, state) is not None
     assert persisted[0] == (0, "zstd", True) and persisted[1] == (1, None, False)
     assert (engine.compression, engine.incremental) == ("zstd", True)  # its own again
+    if tier is not None:  # the fastest path wrote nothing to the memory tier
+        assert [m.get("step") for m, _ in tier.candidates()] == []
     mgr.close()
     [rec] = records(d)
     assert rec["fits"] is False and rec["expected_persist_s"] > 0 and rec["step"] == 1
@@ -314,8 +319,8 @@ TERM_JOB = textwrap.dedent("""
     with mgr:
         for step in range(100_000):
             print("STEP", step, flush=True)
+            time.sleep(0.1)  # (the signal lands here: the boundary is 0.1 s after it)
             mgr.step(step, state)
-            time.sleep(0.02)
 """)
 
 
