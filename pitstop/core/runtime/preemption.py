@@ -225,8 +225,6 @@ class Watcher:
         self.sources = sources
         self.on_notice = on_notice
         self.owner_pid = os.getpid()
-        #: requests made (polls and detections), for the tests that count them
-        self.polls = 0
         self._stop = threading.Event()
         self._said: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="pitstop-preemption",
@@ -261,7 +259,6 @@ class Watcher:
             if any(p.name == name for p in found):
                 continue
             poller = POLLERS[name]()
-            self.polls += 1
             try:
                 if poller.detect():
                     found.append(poller)
@@ -288,7 +285,6 @@ class Watcher:
                 if time.monotonic() < due[name]:
                     continue
                 due[name] = time.monotonic() + INTERVAL_S  # from the start of this poll
-                self.polls += 1
                 try:
                     notice = poller.poll()
                 except Exception as e:  # noqa: BLE001 - any failure is "no notice"
