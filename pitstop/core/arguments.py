@@ -90,6 +90,70 @@ def check_permissions(permissions: Any) -> None:
             f"0o750 (group may read); got {permissions!r}")
 
 
+#: the notice sources a manager can watch (``preemption=``; "auto" detects among them)
+PREEMPTION_SOURCES = ("gce", "aws", "azure")
+
+
+def check_preemption(preemption: Any, preemption_exit: Any, grace_seconds: Any
+                     ) -> tuple[tuple[str, ...], bool, float | None]:
+    """The checked preemption options, the environment applied where a keyword is left at
+    its default: (sources to watch, "auto" kept as such; exit after the save; SIGTERM's
+    grace in seconds or None). ``PITSTOP_PREEMPTION`` (comma separated) applies when
+    ``preemption`` is None, ``PITSTOP_PREEMPTION_EXIT=1`` when ``preemption_exit`` is False,
+    ``PITSTOP_GRACE_SECONDS`` (then Kubernetes' 30 s under Kubernetes) when ``grace_seconds``
+    is None. A bad value raises InvalidArgumentError naming it and the accepted ones."""
+    accepted = "None, 'auto', 'gce', 'aws', 'azure' or a list of those"
+    where = "preemption"
+    if preemption is None:
+        env = os.environ.get("PITSTOP_PREEMPTION", "").strip()
+        preemption = None if env.lower() in ("", "off", "none", "0") else env
+        where = "PITSTOP_PREEMPTION"
+    if preemption is None:
+        names: list[Any] = []
+    elif isinstance(preemption, str):
+        names = [n.strip() for n in preemption.split(",")]
+    elif isinstance(preemption, Iterable) and not isinstance(preemption, (bytes, Mapping)):
+        names = list(preemption)
+    else:
+        raise InvalidArgumentError(f"{where} must be {accepted}; got {preemption!r}")
+    sources: list[str] = []
+    for name in names:
+        if not isinstance(name, str) or name.lower() not in ("auto", *PREEMPTION_SOURCES):
+            raise InvalidArgumentError(f"{where}: {name!r} is not a notice source; use "
+                                       f"{accepted} (e.g. preemption='gce')")
+        if name.lower() not in sources:
+            sources.append(name.lower())
+    if not isinstance(preemption_exit, bool):
+        raise InvalidArgumentError(f"preemption_exit must be True or False, got "
+                                   f"{preemption_exit!r}")
+    if not preemption_exit:
+        env = os.environ.get("PITSTOP_PREEMPTION_EXIT", "").strip().lower()
+        if env not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+            raise InvalidArgumentError(f"PITSTOP_PREEMPTION_EXIT must be 1 or 0, got {env!r}")
+        preemption_exit = env in ("1", "true", "yes", "on")
+    return tuple(sources), preemption_exit, _grace(grace_seconds)
+
+
+def _grace(grace_seconds: Any) -> float | None:
+    where = "grace_seconds"
+    if grace_seconds is None:
+        env = os.environ.get("PITSTOP_GRACE_SECONDS", "").strip()
+        if not env:
+            return 30.0 if os.environ.get("KUBERNETES_SERVICE_HOST") else None
+        where = "PITSTOP_GRACE_SECONDS"
+        try:
+            grace_seconds = float(env)
+        except ValueError:
+            raise InvalidArgumentError(f"PITSTOP_GRACE_SECONDS must be a number of seconds "
+                                       f"(e.g. 30), got {env!r}") from None
+    if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or \
+            not grace_seconds > 0 or grace_seconds == float("inf"):
+        raise InvalidArgumentError(
+            f"{where} must be None (no deadline for SIGTERM) or a positive number of seconds "
+            f"(Kubernetes' terminationGracePeriodSeconds, e.g. 30), got {grace_seconds!r}")
+    return float(grace_seconds)
+
+
 def check_callables(save_policy: Any, retention: Any, on_save: Any) -> None:
     if save_policy is not None and not callable(getattr(save_policy, "should_save", None)):
         raise InvalidArgumentError(

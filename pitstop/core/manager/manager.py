@@ -70,7 +70,6 @@ NO_POLICY = ("pitstop: step() of the manager of {directory} saves only on a sign
              "step by default: save_every_steps=1), or call save(step, state) to save now.")
 
 
-
 class CheckpointManager(Saving, Ranks, DirectoryReader):
     """Saves and restores training state in a directory of step checkpoints.
 
@@ -117,6 +116,9 @@ class CheckpointManager(Saving, Ranks, DirectoryReader):
         encryption: Any = None,
         incremental: bool = False,
         snapshot: str = DEFAULT_SNAPSHOT,
+        preemption: str | Iterable[str] | None = None,
+        preemption_exit: bool = False,
+        grace_seconds: float | None = None,
     ) -> None:
         options = ManagerOptions(
             keep_last=keep_last, keep_every_steps=keep_every_steps, keep_best=keep_best,
@@ -130,7 +132,8 @@ class CheckpointManager(Saving, Ranks, DirectoryReader):
             read_only=read_only, on_save=on_save, step_prefix=step_prefix,
             step_digits=step_digits, distributed=distributed,
             storage_options=storage_options, permissions=permissions, encryption=encryption,
-            incremental=incremental, snapshot=snapshot)
+            incremental=incremental, snapshot=snapshot, preemption=preemption,
+            preemption_exit=preemption_exit, grace_seconds=grace_seconds)
         self._owner_pid = os.getpid()
         self._closed = False
         self._engine: Engine | None = None

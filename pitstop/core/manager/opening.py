@@ -39,6 +39,7 @@ from pitstop.core.policy import (
 )
 from pitstop.core.runtime.coordination import CoordinationError, Coordinator
 from pitstop.core.runtime.lifecycle import Resources, TierFallback
+from pitstop.core.runtime.preemption import Watcher
 from pitstop.core.runtime.signals import SignalSaver
 from pitstop.core.save import memtier as memtier_mod
 from pitstop.core.save.engine import Engine
@@ -274,6 +275,7 @@ def _start_saving(mgr: Manager, options: ManagerOptions, tier: MemoryTier | None
 
     mgr._signals = SignalSaver(save_on_signals)
     mgr._res.signals = mgr._signals
+    _watch_preemption(mgr, options)
     if coord is not None:
         # every rank recovers the same snapshots (their persists are saves of all
         # ranks together): those that all of them still hold
@@ -300,6 +302,17 @@ def _start_saving(mgr: Manager, options: ManagerOptions, tier: MemoryTier | None
                            f"rank {coord.rank} of {coord.world_size}"),
                 committed[-1] if committed else None)
     mgr._ctx = SaveContext(last_save_step=mgr.latest_step())
+
+
+def _watch_preemption(mgr: Manager, options: ManagerOptions) -> None:
+    """SIGTERM's grace, and the watcher thread of the cloud notices the options name (it
+    holds the signal saver, not the manager; the manager's release stops it)."""
+    sources, exit_after, grace = options.preemption_settings()
+    signals = mgr._signals
+    signals.grace_seconds = grace
+    if sources:
+        mgr._res.watcher = Watcher(sources, lambda notice: signals.mark(notice, exit_after)
+                                   ).start()
 
 
 def announce(mgr: Manager, error: BaseException | None = None) -> None:

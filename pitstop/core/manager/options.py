@@ -16,6 +16,7 @@ from pitstop.core.arguments import (
     check_incremental,
     check_naming,
     check_permissions,
+    check_preemption,
     check_snapshot,
 )
 from pitstop.core.format.hashing import DEFAULT
@@ -66,6 +67,12 @@ class ManagerOptions:
         encryption: a :class:`pitstop.Encryption` (None: plaintext checkpoints).
         incremental: reference arrays unchanged since the previous save instead of writing them.
         snapshot: "eager" (copy everything in ``save()``) or "lazy".
+        preemption: the cloud preemption notices to watch: None (off; ``PITSTOP_PREEMPTION``
+            then applies), "auto", "gce", "aws", "azure" or a list of those.
+        preemption_exit: exit (as SIGTERM asks) once a notice's save is durable, instead of
+            training on (``PITSTOP_PREEMPTION_EXIT=1`` too).
+        grace_seconds: a SIGTERM's deadline is its arrival plus this (``PITSTOP_GRACE_SECONDS``;
+            30 under Kubernetes; else no deadline).
     """
 
     keep_last: int | None = None
@@ -99,6 +106,9 @@ class ManagerOptions:
     encryption: Any = None
     incremental: bool = False
     snapshot: str = DEFAULT_SNAPSHOT
+    preemption: str | Iterable[str] | None = None
+    preemption_exit: bool = False
+    grace_seconds: float | None = None
 
     def check(self, directory: Any) -> None:
         """Check ``directory`` and every option, in the order the manager always did (the
@@ -114,6 +124,12 @@ class ManagerOptions:
         check_naming(self.step_prefix, self.step_digits)
         check_permissions(self.permissions)
         check_signals(self.save_on_signals)  # all of them, before anything is installed
+        self.preemption_settings()
+
+    def preemption_settings(self) -> tuple[tuple[str, ...], bool, float | None]:
+        """The sources to watch, whether to exit after a notice's save, and SIGTERM's grace
+        (the keywords, or the environment where they are left at their defaults)."""
+        return check_preemption(self.preemption, self.preemption_exit, self.grace_seconds)
 
     def retention_policies(self) -> list[RetentionPolicy]:
         """``retention`` and the ``keep_*`` options as one list of policies."""

@@ -5,6 +5,7 @@ that the manager's face stays short."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -14,6 +15,8 @@ from typing import Any
 from pitstop.core.arguments import check_user_metadata, clean_metrics
 from pitstop.core.errors import CheckpointError, StepExistsError
 from pitstop.core.manager.reader import _no_gc
+from pitstop.core.runtime import preemption
+from pitstop.core.runtime.preemption import Notice
 from pitstop.core.runtime.signals import (
     CONTINUE_SIGNALS,
     SignalSaver,
@@ -100,12 +103,14 @@ class Saving:
                      stats.step, stats.bytes / 2**20, why, stats.stall_s)
 
     def _save(self, step: int, state: Any, metrics: Mapping[str, Any] | None, *, block: bool,
-              periodic: bool, user_metadata: Mapping[str, Any] | None = None
-              ) -> SaveHandle | None:
+              periodic: bool, user_metadata: Mapping[str, Any] | None = None,
+              notice: Notice | None = None, fast: bool = False) -> SaveHandle | None:
         engine = self._engine
         assert engine is not None
         clean = clean_metrics(metrics, self.best_metric)
         user_meta = check_user_metadata(user_metadata)
+        if notice is not None:  # (a reserved key: which notice this save was for)
+            user_meta[preemption.METADATA_KEY] = notice.metadata()
         if self._recovered_all:  # first save after a recovery
             # the recovered snapshots may still be persisting from those very buffers: let
             # them commit before a new snapshot may overwrite one
@@ -155,7 +160,8 @@ class Saving:
                          check_finite=self.nonfinite_guard, nonfinite_metrics=nonfinite,
                          global_shapes={k: list(flat.arrays[k].shape) for k in flat.sharded}
                          if self._coord is not None else {},
-                         frameworks=self._frameworks_of(flat), layouts=flat.layouts())
+                         frameworks=self._frameworks_of(flat), layouts=flat.layouts(),
+                         fast=fast)
         # recorded before the persist starts: on_save must find these figures, not blanks
         self.stats.append(stats)
         if len(self.stats) > 1000:
@@ -269,35 +275,74 @@ class Saving:
                          state: Any, metrics: Mapping[str, Any] | None,
                          user_metadata: Mapping[str, Any] | None) -> SaveHandle | None:
         assert self._engine is not None
+        notice = signals.handling_notice
+        expected, fits = preemption.plan(notice, self.stats) if notice else (None, None)
+        if notice is not None and fits is False:
+            log.warning("%s", preemption.fit_warning(notice, step, expected))
+        # with the deadline out of reach: the fastest path to durable storage
+        fastest = preemption.fastest_path(self._engine) if fits is False else \
+            contextlib.nullcontext()
         taken = True  # False: this step's save could not even be started
-        with self._api_lock:
-            handle = None
-            if step not in self._catalog.index and step not in self._engine.pending_steps():
+        error: CheckpointError | None = None
+        with fastest:
+            with self._api_lock:
+                handle = None
+                if step not in self._catalog.index and \
+                        step not in self._engine.pending_steps():
+                    try:
+                        handle = self._save(step, state, metrics, block=True, periodic=False,
+                                            user_metadata=user_metadata, notice=notice,
+                                            fast=fits is False)
+                    except CheckpointError as e:
+                        if name in CONTINUE_SIGNALS:
+                            self._notice_saved(notice, step, expected, fits, e)
+                            raise
+                        taken, error = False, e
+                        log.error("pitstop: the save of step %d for %s could not be taken "
+                                  "(%s); exiting as the signal asks without it", step, name, e)
+            if name in CONTINUE_SIGNALS:
                 try:
-                    handle = self._save(step, state, metrics, block=True, periodic=False,
-                                        user_metadata=user_metadata)
+                    self.wait()
                 except CheckpointError as e:
-                    if name in CONTINUE_SIGNALS:
-                        raise
-                    taken = False
-                    log.error("pitstop: the save of step %d for %s could not be taken "
-                              "(%s); exiting as the signal asks without it", step, name, e)
-        if name in CONTINUE_SIGNALS:
-            self.wait()
+                    self._notice_saved(notice, step, expected, fits, e)
+                    raise
+                self._notice_saved(notice, step, expected, fits, None)
+                if notice is None or _plain(notice):
+                    log.warning("pitstop: saved step %d after %s", step, name)
+                return handle
+            try:
+                self.wait()
+            except CheckpointError as e:
+                # the signal is still honoured: a loop that tolerates checkpoint errors must
+                # not train on after a preemption notice
+                error = e
+                log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
+                          "signal asks without it", step, name, e)
+        self._notice_saved(notice, step, expected, fits, error)
+        if taken and error is None and (notice is None or _plain(notice)):
             log.warning("pitstop: saved step %d after %s", step, name)
-            return handle
-        try:
-            self.wait()
-            if taken:
-                log.warning("pitstop: saved step %d after %s", step, name)
-        except CheckpointError as e:
-            # the signal is still honoured: a loop that tolerates checkpoint errors must
-            # not train on after a preemption notice
-            log.error("pitstop: the save of step %d for %s failed (%s); exiting as the "
-                      "signal asks without it", step, name, e)
         try:
             self.close()
         except CheckpointError as e:
             log.error("pitstop: %s", e)
         signals.exit_like(signum)
         return handle
+
+    def _notice_saved(self, notice: Notice | None, step: int, expected: float | None,
+                      fits: bool | None, error: BaseException | None) -> None:
+        """After a notice's save: the line that says when it became durable (or that it
+        failed), and its record in directory.json (the writer's)."""
+        if notice is None:
+            return
+        durable = time.time() if error is None and step in self._catalog.index else None
+        if durable is None and error is None:
+            return  # nothing was saved for it (this step was saved before)
+        preemption.report(self.storage, notice, step, expected, fits, durable,
+                          say=not _plain(notice),
+                          record=self._coord is None or self._coord.leader, error=error)
+
+
+def _plain(notice: Notice) -> bool:
+    """A signal without a deadline: it keeps its own line ("saved step N after SIGTERM")
+    instead of the preemption notice's; it is recorded all the same."""
+    return notice.source.startswith("SIG") and notice.deadline_unix is None

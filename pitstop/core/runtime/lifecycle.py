@@ -17,6 +17,7 @@ from typing import Any
 
 from pitstop.core.directory.recovery import Recovered
 from pitstop.core.errors import CheckpointError
+from pitstop.core.runtime.preemption import Watcher
 from pitstop.core.runtime.signals import SignalSaver, signal_name
 from pitstop.core.save.engine import Engine
 from pitstop.core.save.memtier import MemoryTier
@@ -37,6 +38,8 @@ class Resources:
         self.pool: StagingPool | None = None
         self.tier: MemoryTier | None = None
         self.signals: SignalSaver | None = None
+        #: the preemption notices' watcher thread (None: none watched)
+        self.watcher: Watcher | None = None
         self.recovered: list[Recovered] = []
         self.released = False
 
@@ -53,6 +56,8 @@ class Resources:
                              name="pitstop-release").start()
             return None
         self.released = True
+        if self.watcher is not None:
+            self.watcher.stop()  # (no notice can matter once the manager is released)
         error: CheckpointError | None = None
         engine = self.engine
         if unattended and self.signals is not None and self.signals.abandoned:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pitstop.core.runtime import supervised
+from pitstop.core.runtime.preemption import Notice
 
 log = logging.getLogger("pitstop")
 
@@ -56,6 +57,12 @@ class SignalSaver:
         self.active = True
         #: when the signal arrived (for the message if training dies before the boundary)
         self.received_at: float | None = None
+        #: SIGTERM's deadline is its arrival plus this (None: no deadline; set by the manager)
+        self.grace_seconds: float | None = None
+        #: the notice the pending save is for (a signal, or a cloud notice from the
+        #: preemption watcher), and the one being acted on
+        self.notice: Notice | None = None
+        self.handling_notice: Notice | None = None
         self._install(names)
         _savers.add(self)
 
@@ -109,8 +116,29 @@ class SignalSaver:
             self.exit_like(first)
         self.pending = signum
         self.received_at = time.monotonic()
-        log.warning("pitstop: %s received; saving at the next step boundary",
-                    signal_name(signum))
+        name = signal_name(signum)
+        if self.notice is None or self.notice.source.startswith("SIG"):
+            now = time.time()  # (a cloud notice already pending keeps its deadline)
+            grace = self.grace_seconds if name == "SIGTERM" else None
+            self.notice = Notice(name, now, now + grace if grace else None)
+        log.warning("pitstop: %s received; saving at the next step boundary", name)
+
+    def mark(self, notice: Notice, exit_after: bool) -> None:
+        """A cloud preemption notice (from the watcher thread): save at the next step
+        boundary as SIGUSR1 asks, or as SIGTERM asks with ``exit_after``."""
+        if not self.active or os.getpid() != self.owner_pid:
+            return
+        signum = signal.SIGTERM if exit_after else signal.SIGUSR1
+        pending = self.pending
+        self.notice = notice
+        if pending is None or (exit_after and signal_name(pending) in CONTINUE_SIGNALS):
+            self.pending = signum
+            self.received_at = time.monotonic()
+        deadline = "no deadline given" if notice.deadline_unix is None else \
+            f"deadline in {notice.deadline_unix - time.time():.1f} s"
+        log.warning("pitstop: preemption notice from %s (%s); saving at the next step "
+                    "boundary%s", notice.source, deadline,
+                    ", then exiting" if exit_after else "")
 
     def _delegate(self, signum: int, frame: Any) -> None:
         previous = self.previous.get(signum, signal.SIG_DFL)
@@ -127,6 +155,7 @@ class SignalSaver:
         signum = self.pending
         if signum is not None:
             self.handling = signum
+            self.handling_notice, self.notice = self.notice, None
             self.pending = None
         return signum
 

@@ -131,7 +131,11 @@ class Engine(WorldPersist, Snapshots):
             job.handle.stats.lazy_bytes = job.lazy.nbytes
             if job.lazy.done.is_set():
                 job.handle.stats.lazy_copy_s = job.lazy.copy_s
-        if self.tier is not None and job.buffer is not None and job.lazy is None and \
+        if job.fast and self.tier is not None and job.buffer is not None and \
+                job.buffer.shm_path is not None:
+            # the fastest path skips the tier: no older description of this buffer may stay
+            self._tier_call(self.tier.invalidate, job.buffer)
+        elif self.tier is not None and job.buffer is not None and job.lazy is None and \
                 job.buffer.shm_path is not None and job.hashes is None:
             # the snapshot is complete in shared memory: describe it now, before save()
             # returns, so a SIGKILL from here on loses nothing of it (same host and boot: a

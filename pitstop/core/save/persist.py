@@ -70,6 +70,10 @@ class PersistJob:
     bookkept: bool = False
     #: the manifest's ``layouts`` (array key -> the framework's layout of it)
     layouts: dict[str, Any] = field(default_factory=dict)
+    #: a preemption notice's save that does not fit before its deadline: no memory-tier
+    #: description or seal (the tier is no help when the machine goes away), hashed while
+    #: written (see :mod:`pitstop.core.runtime.preemption`)
+    fast: bool = False
 
 
 
@@ -263,7 +267,7 @@ class Persist(DataFiles, Incremental):
         bytes, hashes not known yet, and no memory-tier copy, whose seal must be written
         before the data files are (a crash while writing then finds it sealed)."""
         buf = job.buffer
-        return (job.hashes is None and buf is not None and buf.shm_path is None
+        return (job.hashes is None and buf is not None and (buf.shm_path is None or job.fast)
                 and self.compression in (None, "none") and self.encryption is None
                 and not self.incremental)  # (which compares hashes before writing)
 
@@ -286,7 +290,8 @@ class Persist(DataFiles, Incremental):
         else:
             hashes = job.hashes
             finite = not job.check_finite or buffer_is_finite(buf)
-        if finite and self.tier is not None and buf.shm_path is not None and job.hashes is None:
+        if finite and self.tier is not None and buf.shm_path is not None and \
+                job.hashes is None and not job.fast:
             self._tier_call(self.tier.seal, buf, job, hashes, self.hash_algorithm)
         hook = self.hooks.get("before_write")
         if finite and hook is not None:
@@ -307,7 +312,7 @@ class Persist(DataFiles, Incremental):
             raise copy.error
         buf = job.buffer
         if self.tier is not None and buf is not None and buf.shm_path is not None and \
-                job.hashes is None:
+                job.hashes is None and not job.fast:
             self._tier_call(self.tier.describe, buf, job)
 
     def _lazy_check(self, job: PersistJob) -> None:
@@ -343,7 +348,7 @@ class Persist(DataFiles, Incremental):
         stats.path = location
         if job.lazy is not None:
             stats.lazy_copy_s, stats.fence_wait_s = job.lazy.copy_s, job.lazy.fence_wait_s
-        if self.tier is not None and buf.shm_path is not None:
+        if self.tier is not None and buf.shm_path is not None and not job.fast:
             self._tier_call(self.tier.mark_committed, buf)
         log.info("pitstop: committed step %d: %.1f MiB, stall %.3f s, persist %.3f s (%.0f MiB/s)",
                  job.step, stats.bytes / 2**20, stats.stall_s, stats.persist_s,
