@@ -210,7 +210,7 @@ class Supervisor:
             self._clean_up_group(self.proc.pid)
             if self.requeue is not None:
                 self.requeue.exited(describe(returncode, killed=self.killed))
-                if self.requeue.requeued and self.stopping is None:
+                if self.requeue.requeued and self.stopping is None and returncode != 0:
                     say(f"job exited with {describe(returncode, killed=self.killed)}; Slurm "
                         f"job {self.requeue.job_id} is requeued: not restarting it (Slurm "
                         "starts it again)")

@@ -65,9 +65,9 @@ class Requeue:
             return
         self.since = time.monotonic()
         self.step_before = step_before
-        limit = "" if math.isinf(self.grace) else f", or in {self.grace:g} s (--grace)"
-        self.say(f"requeue of Slurm job {self.job_id}: once the job's save is committed (or "
-                 f"it exits{limit})")
+        limit = " or it exits" if math.isinf(self.grace) else \
+            f", it exits, or {self.grace:g} s have passed (--grace)"
+        self.say(f"requeuing Slurm job {self.job_id} once the job's save is committed{limit}")
 
     def poll(self, newest: Callable[[], int | None], unknown: int) -> None:
         """While the job runs: requeue once the save after the signal is committed, or the
