@@ -35,10 +35,11 @@ def _seconds(value: Any) -> float | None:
 
 
 def _clock(unix: float, *, day: bool = False) -> str:
-    whole, tenth = divmod(round(unix * 10), 10)
+    # tenths cut, not rounded: the job's log line says the same time
+    whole, tenth = divmod(int(unix * 10), 10)
     try:
         text = time.strftime("%Y-%m-%d %H:%M:%S" if day else "%H:%M:%S",
-                             time.localtime(whole if not day else int(unix)))
+                             time.localtime(whole))
     except (OverflowError, OSError, ValueError):  # past year 9999
         return f"? ({unix!r})"
     return text if day else f"{text}.{tenth}"
