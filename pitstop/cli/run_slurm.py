@@ -13,11 +13,10 @@ directory. A failed ``scontrol`` is said with its stderr; supervision goes on.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 #: how long ``scontrol requeue`` may take before it counts as failed
 SCONTROL_TIMEOUT = 30.0
@@ -25,7 +24,7 @@ SCONTROL_TIMEOUT = 30.0
 POLL_DIR = 0.25
 
 
-def requeue_problem(environ: dict[str, str] | os._Environ[str]) -> str | None:
+def requeue_problem(environ: Mapping[str, str]) -> str | None:
     """Why ``--requeue`` cannot work here (None: it can): it needs a Slurm job's id and
     ``scontrol`` on PATH."""
     if not environ.get("SLURM_JOB_ID"):
