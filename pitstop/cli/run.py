@@ -17,7 +17,13 @@ and waits for it:
   before it exits; never restarted after that; ``--grace`` seconds later (or at a second
   such signal) the group is SIGKILLed. SIGUSR1 / SIGUSR2 are forwarded to the
   job's first process only, and the supervision goes on (pitstop saves on SIGUSR1 and
-  trains on).
+  trains on). With ``--requeue`` (Slurm), a SIGUSR1 then requeues the job once its save
+  is committed (:mod:`pitstop.cli.run_slurm`), and a requeued job is left to Slurm: never
+  restarted by the supervisor.
+
+``--preemption``, ``--preemption-exit`` and ``--grace-seconds`` reach the job as
+``PITSTOP_PREEMPTION``, ``PITSTOP_PREEMPTION_EXIT`` and ``PITSTOP_GRACE_SECONDS``: the
+CheckpointManager in the job watches for the notices, not the supervisor.
 
 What it knows of the checkpoints comes from the checkpoint directory, read-only (never
 locked, never written): ``--dir`` (also given to the job as ``PITSTOP_DIR``), or the one a
@@ -49,6 +55,7 @@ from pitstop.cli.run_job import (
     seconds,
     signal_name,
 )
+from pitstop.cli.run_slurm import Requeue
 from pitstop.core.runtime import supervised
 from pitstop.core.storage import is_url
 
@@ -114,7 +121,8 @@ class Supervisor:
 
     def __init__(self, command: list[str], *, directory: str | None, max_restarts: int,
                  backoff: float, max_backoff: float, crash_loop: int, grace: float,
-                 no_restart: set[int], forward: str = "first") -> None:
+                 no_restart: set[int], forward: str = "first",
+                 job_env: dict[str, str] | None = None, requeue: Requeue | None = None) -> None:
         self.command = command
         self.given_dir = directory
         #: the directory steps are read from: --dir, or the one the job reports
@@ -126,6 +134,10 @@ class Supervisor:
         self.grace = grace
         self.no_restart = no_restart
         self.forward = forward
+        #: set in the job's environment (the preemption options)
+        self.job_env = dict(job_env or {})
+        #: ``--requeue``: the Slurm job's requeue after a SIGUSR1
+        self.requeue = requeue
         #: signals received, not yet acted on (the handler only notes them)
         self.received: list[int] = []
         #: the stop signal forwarded to the job: it is not restarted
@@ -196,6 +208,13 @@ class Supervisor:
             self._read_events()
             self._note_other_dir()
             self._clean_up_group(self.proc.pid)
+            if self.requeue is not None:
+                self.requeue.exited(describe(returncode, killed=self.killed))
+                if self.requeue.requeued and self.stopping is None and returncode != 0:
+                    say(f"job exited with {describe(returncode, killed=self.killed)}; Slurm "
+                        f"job {self.requeue.job_id} is requeued: not restarting it (Slurm "
+                        "starts it again)")
+                    return exit_status(returncode)
             if self.stopping is not None:
                 say(f"job exited with {describe(returncode, killed=self.killed)} after "
                     f"{signal_name(self.stopping)}; not restarting it")
@@ -286,6 +305,7 @@ class Supervisor:
         env["PITSTOP_RESTART"] = str(self.restarts)
         if self.given_dir is not None:
             env["PITSTOP_DIR"] = self.given_dir
+        env.update(self.job_env)
         return subprocess.Popen(self.command, env=env, start_new_session=True,
                                 preexec_fn=_death_signal())
 
@@ -309,6 +329,8 @@ class Supervisor:
                 self._kill(proc.pid, f"the job did not exit within --grace {self.grace:g} s "
                            f"of {signal_name(self.stopping)}")
             self._read_events()
+            if self.requeue is not None:
+                self.requeue.poll(lambda: self._newest(self.directory), UNKNOWN)
 
     def _act_on_signals(self, pgid: int | None) -> None:
         while self.received:
@@ -325,9 +347,14 @@ class Supervisor:
                 if self.proc is None or self.proc.returncode is not None:
                     say(f"{name} ignored: the job has exited")
                     continue  # (its pid may be another process's now)
+                # the newest step before the job can save on it: the requeue waits for a newer
+                before = self._newest(self.directory) \
+                    if signum == signal.SIGUSR1 and self.requeue is not None else None
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pgid, signum)  # the leader's pid is the group's id
                 say(f"{name} forwarded to the job's first process ({pgid})")
+                if signum == signal.SIGUSR1 and self.requeue is not None:
+                    self.requeue.asked(before)
             elif self.stopping is None:
                 if signum == signal.SIGHUP:
                     # the terminal hung up (an SSH session dropped): the job has no terminal

@@ -8,7 +8,8 @@ import math
 import os
 from typing import Any
 
-from pitstop.cli.run import PROGRESS_SECONDS, Supervisor
+from pitstop.cli.run import PROGRESS_SECONDS, Supervisor, say
+from pitstop.cli.run_slurm import Requeue, requeue_problem
 from pitstop.core.storage import is_url
 
 DEFAULT_MAX_RESTARTS = 3
@@ -19,6 +20,8 @@ DEFAULT_GRACE = 30.0
 #: exit statuses that are never restarted by default: a usage error, a command that cannot
 #: be executed, a command not found (what restarting cannot mend)
 DEFAULT_NO_RESTART = "2,126,127"
+#: what --preemption names: the notice sources a CheckpointManager in the job can watch
+PREEMPTION_SOURCES = ("auto", "gce", "aws", "azure")
 
 DESCRIPTION = """\
 Start COMMAND in its own process group and restart it when it dies abnormally (a
@@ -38,6 +41,13 @@ saves and exits on SIGTERM and SIGINT, and the job is not restarted; a second on
 --grace seconds, SIGKILLs it. SIGUSR1/SIGUSR2 go to the job's first process only (pitstop
 saves on SIGUSR1 and trains on) and supervision goes on. Ctrl+Z stops the job too.
 
+Preemption: --preemption SOURCES, --preemption-exit and --grace-seconds S are set in the
+job's environment (PITSTOP_PREEMPTION, PITSTOP_PREEMPTION_EXIT, PITSTOP_GRACE_SECONDS): the
+CheckpointManager in the job watches the cloud's notices and saves before the deadline.
+Under Slurm (sbatch --signal=B:USR1@90), --requeue runs `scontrol requeue $SLURM_JOB_ID`
+once the job's save on SIGUSR1 is committed (or it exited, or --grace seconds passed), and
+the requeued job is left to Slurm, which starts it again; it resumes from its checkpoints.
+
 Exit status: the job's (128+N for signal N): 0 when it finished; that of its last run when
 the supervisor gave up (--max-restarts, crash loop, a status of --no-restart-on) or was
 stopped by a signal; 126/127 when COMMAND cannot be executed / is not found; 2 for bad
@@ -48,6 +58,8 @@ arguments. Messages go to stderr, each starting with "pitstop run:".
 EPILOG = """\
 example:
   pitstop run --dir runs/exp1 --max-restarts 5 -- python train.py --lr 3e-4
+  pitstop run --preemption auto --grace-seconds 60 -- python train.py
+  pitstop run --requeue -- python train.py     # in an sbatch --signal=B:USR1@90 script
 """
 
 
@@ -105,11 +117,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument(
         "--grace",
         type=float,
-        default=DEFAULT_GRACE,
+        default=None,
         metavar="S",
         help=f"after forwarding SIGTERM/SIGINT/SIGHUP/SIGQUIT, wait S seconds (default "
-        f"{DEFAULT_GRACE:g}; inf: as long as it takes) for the job to save and exit, then "
-        "SIGKILL it",
+        f"{DEFAULT_GRACE:g}, or --grace-seconds where given; inf: as long as it takes) for "
+        "the job to save and exit, then SIGKILL it",
     )
     s.add_argument(
         "--forward",
@@ -126,6 +138,36 @@ def add_parser(sub: Any) -> None:
         metavar="STATUS,...",
         help=f"exit statuses that are not restarted (default {DEFAULT_NO_RESTART}: a usage "
         "error, cannot execute, command not found; '' restarts them too)",
+    )
+    s.add_argument(
+        "--preemption",
+        metavar="SOURCES",
+        help="preemption notices the job's CheckpointManager watches, to save before the "
+        "machine is taken: auto (detect the cloud it runs on), or some of gce, aws, azure, "
+        "separated by commas; off: none; given to the job as PITSTOP_PREEMPTION (default: "
+        "$PITSTOP_PREEMPTION as it is)",
+    )
+    s.add_argument(
+        "--preemption-exit",
+        action="store_true",
+        help="after the save on a preemption notice is durable, the job exits (as on "
+        "SIGTERM) instead of training on until the machine is taken; given to the job as "
+        "PITSTOP_PREEMPTION_EXIT=1",
+    )
+    s.add_argument(
+        "--grace-seconds",
+        type=float,
+        metavar="S",
+        help="the time a SIGTERM gives the job before it is killed (Kubernetes' "
+        "terminationGracePeriodSeconds): the deadline its save must be durable by; given to "
+        "the job as PITSTOP_GRACE_SECONDS, and --grace's default",
+    )
+    s.add_argument(
+        "--requeue",
+        action="store_true",
+        help="Slurm: after SIGUSR1 (sbatch --signal=B:USR1@N) and the job's save on it, run "
+        "`scontrol requeue $SLURM_JOB_ID`; the requeued job is not restarted by pitstop run "
+        "(Slurm starts it again). Needs SLURM_JOB_ID and scontrol on PATH",
     )
     s.add_argument(
         "command",
@@ -154,8 +196,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.crash_loop < 0:
         raise CliError(f"run: --crash-loop {args.crash_loop}: give 1 or more (0: never stop "
                        "for a crash loop)")
+    job_env = _preemption_env(args)
+    grace = args.grace
+    if grace is None:
+        given = job_env.get("PITSTOP_GRACE_SECONDS", os.environ.get("PITSTOP_GRACE_SECONDS"))
+        try:
+            grace = max(float(given), 0.0) if given else DEFAULT_GRACE
+        except ValueError:
+            grace = DEFAULT_GRACE  # (the job's manager says what is wrong with it)
+        if math.isnan(grace):
+            grace = DEFAULT_GRACE
     for flag, value in (("--backoff", args.backoff), ("--max-backoff", args.max_backoff),
-                        ("--grace", args.grace)):
+                        ("--grace", grace)):
         if math.isnan(value) or value < 0:
             raise CliError(f"run: {flag} {value:g}: give a number of seconds, 0 or more")
     if math.isinf(args.backoff) or math.isinf(args.max_backoff):
@@ -165,6 +217,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError:
         raise CliError(f"run: --no-restart-on {args.no_restart_on!r}: give exit statuses "
                        "separated by commas, e.g. 2,126,127") from None
+    requeue = None
+    if args.requeue:
+        problem = requeue_problem(os.environ)
+        if problem is not None:
+            raise CliError(f"run: {problem}")
+        requeue = Requeue(os.environ["SLURM_JOB_ID"], grace, say)
     return Supervisor(
         command,
         # absolute: the job may change its working directory before it opens it
@@ -173,7 +231,38 @@ def cmd_run(args: argparse.Namespace) -> int:
         backoff=args.backoff,
         max_backoff=max(args.max_backoff, args.backoff),
         crash_loop=args.crash_loop,
-        grace=args.grace,
+        grace=grace,
         no_restart=no_restart,
         forward=args.forward,
+        job_env=job_env,
+        requeue=requeue,
     ).run()
+
+
+def _preemption_env(args: argparse.Namespace) -> dict[str, str]:
+    """What --preemption, --preemption-exit and --grace-seconds set in the job's environment,
+    checked (CliError says what to give instead)."""
+    from pitstop.cli.common import CliError
+
+    env: dict[str, str] = {}
+    if args.preemption is not None:
+        names = [n.strip().lower() for n in args.preemption.split(",") if n.strip()]
+        if names in ([], ["off"]):
+            env["PITSTOP_PREEMPTION"] = "off"
+        else:
+            bad = [n for n in names if n not in PREEMPTION_SOURCES]
+            if bad:
+                raise CliError(f"run: --preemption {args.preemption!r}: not a notice source: "
+                               f"{', '.join(bad)}; give auto, or some of gce, aws, azure separated "
+                               "by commas (off: none)")
+            env["PITSTOP_PREEMPTION"] = ",".join(dict.fromkeys(names))
+    if args.preemption_exit:
+        env["PITSTOP_PREEMPTION_EXIT"] = "1"
+    if args.grace_seconds is not None:
+        g = args.grace_seconds
+        if math.isnan(g) or math.isinf(g) or g <= 0:
+            raise CliError(f"run: --grace-seconds {g:g}: give the seconds a SIGTERM leaves "
+                           "before the kill (Kubernetes' terminationGracePeriodSeconds, e.g. "
+                           "30), more than 0")
+        env["PITSTOP_GRACE_SECONDS"] = f"{g:g}"
+    return env

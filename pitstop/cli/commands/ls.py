@@ -32,7 +32,7 @@ from pitstop.cli.common import (
 )
 from pitstop.core.directory.catalog import parse_index
 from pitstop.core.directory.names import Naming
-from pitstop.core.directory.records import read_record
+from pitstop.core.directory.records import SHOWN_NOTICES, DirectoryRecord, read_record
 from pitstop.core.directory.retention import (
     RecordedRetention,
     aside_refs,
@@ -112,6 +112,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else None
     if skipped is not None:
         print(skipped, file=out)
+    if listing.has_meta:
+        _preemption_lines(record, set(infos), only)
     #: incremental checkpoints: holder step -> the steps that reference its data
     users: dict[int, list[int]] = {}
     for s, info in sorted(infos.items()):
@@ -125,6 +127,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if only is None:
         _not_checkpoints(storage, listing)
     return OK
+
+
+def _preemption_lines(record: DirectoryRecord, steps: set[int], only: int | None) -> None:
+    """The saves made on preemption notices (newest last): the notice, the step, when it
+    was durable and the margin before the deadline; for one checkpoint, its own only."""
+    saves = [p for p in record.preemption_saves() if only in (None, p.step)]
+    earlier = len(saves) - SHOWN_NOTICES
+    if earlier > 0:
+        print(f"({earlier} earlier save{'s' * (earlier != 1)} on preemption notices recorded)",
+              file=sys.stdout)
+    for p in saves[-SHOWN_NOTICES:]:
+        gone = "" if p.step in steps or p.durable_unix is None else \
+            " (no longer in the directory)"
+        print(p.line() + gone, file=sys.stdout)
 
 
 def _read_all(storage: Storage, steps: list[int], naming: Naming, ident: str | None
