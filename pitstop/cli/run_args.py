@@ -139,6 +139,18 @@ def add_parser(sub: Any) -> None:
         help=f"exit statuses that are not restarted (default {DEFAULT_NO_RESTART}: a usage "
         "error, cannot execute, command not found; '' restarts them too)",
     )
+    _add_preemption_args(s)
+    s.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="COMMAND",
+        help="the command to run, after --",
+    )
+    s.set_defaults(func=cmd_run)
+
+
+def _add_preemption_args(s: Any) -> None:
+    """``pitstop run``'s options for preemption notices, Kubernetes and Slurm."""
     s.add_argument(
         "--preemption",
         metavar="SOURCES",
@@ -169,13 +181,6 @@ def add_parser(sub: Any) -> None:
         "`scontrol requeue $SLURM_JOB_ID`; the requeued job is not restarted by pitstop run "
         "(Slurm starts it again). Needs SLURM_JOB_ID and scontrol on PATH",
     )
-    s.add_argument(
-        "command",
-        nargs=argparse.REMAINDER,
-        metavar="COMMAND",
-        help="the command to run, after --",
-    )
-    s.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -123,17 +123,16 @@ class CheckpointManager(Saving, Ranks, DirectoryReader):
         options = ManagerOptions(
             keep_last=keep_last, keep_every_steps=keep_every_steps, keep_best=keep_best,
             best_metric=best_metric, best_mode=best_mode, save_every_steps=save_every_steps,
-            save_every_seconds=save_every_seconds, save_policy=save_policy,
-            retention=retention, save_on_signals=save_on_signals, mtbf_seconds=mtbf_seconds,
-            async_save=async_save, max_in_flight=max_in_flight, on_busy=on_busy,
-            memory_tier=memory_tier, nonfinite_guard=nonfinite_guard,
-            hash_algorithm=hash_algorithm, compression=compression,
-            writer_threads=writer_threads, copy_threads=copy_threads, durable=durable,
-            read_only=read_only, on_save=on_save, step_prefix=step_prefix,
-            step_digits=step_digits, distributed=distributed,
-            storage_options=storage_options, permissions=permissions, encryption=encryption,
-            incremental=incremental, snapshot=snapshot, preemption=preemption,
-            preemption_exit=preemption_exit, grace_seconds=grace_seconds)
+            save_every_seconds=save_every_seconds, save_policy=save_policy, retention=retention,
+            save_on_signals=save_on_signals, mtbf_seconds=mtbf_seconds, async_save=async_save,
+            max_in_flight=max_in_flight, on_busy=on_busy, memory_tier=memory_tier,
+            nonfinite_guard=nonfinite_guard, hash_algorithm=hash_algorithm,
+            compression=compression, writer_threads=writer_threads, copy_threads=copy_threads,
+            durable=durable, read_only=read_only, on_save=on_save, step_prefix=step_prefix,
+            step_digits=step_digits, distributed=distributed, storage_options=storage_options,
+            permissions=permissions, encryption=encryption, incremental=incremental,
+            snapshot=snapshot, preemption=preemption, preemption_exit=preemption_exit,
+            grace_seconds=grace_seconds)
         self._owner_pid = os.getpid()
         self._closed = False
         self._engine: Engine | None = None
@@ -444,12 +443,10 @@ class CheckpointManager(Saving, Ranks, DirectoryReader):
         return min(scored)[2] if scored else None
 
     def reached_preemption(self, step: int) -> bool:
-        """True when a terminating signal (SIGTERM, SIGINT: a preemption notice) was received
-        and not yet acted on: the next ``step()`` or ``save()`` saves this step, waits for
-        its commit and exits as the signal asks (Orbax's ``reached_preemption``, tied to
-        pitstop's ``save_on_signals``). In a job of several ranks every rank must call it
-        at the same step, as Orbax's sync point: a signal any rank received is every rank's
-        answer (and every rank's save at the next step boundary)."""
+        """True when a terminating signal (SIGTERM, SIGINT) is pending: the next ``step()`` or
+        ``save()`` saves this step, waits for its commit and exits (Orbax's
+        ``reached_preemption``). With several ranks every rank calls it at the same step:
+        a signal any rank received is every rank's answer (and save)."""
         self._check_usable()
         step = step_arg(step)
         if self._coord is not None and self._engine is not None and not self._closed:
