@@ -229,8 +229,10 @@ class Supervisor:
             newest = self._newest_text(after)
             how = f"job exited with {describe(returncode)} after {seconds(elapsed)}"
             if -returncode in CLEAN_SIGNALS:
-                say(f"{how}; {newest}; someone stopped it on purpose (not through pitstop "
-                    "run): not restarting it")
+                who = ("the job's own exit after a preemption notice (--preemption-exit), or "
+                       "someone stopped it" if self.job_env.get("PITSTOP_PREEMPTION_EXIT")
+                       else "someone stopped it on purpose (not through pitstop run)")
+                say(f"{how}; {newest}; {who}: not restarting it")
                 return status
             if returncode > 0 and returncode in self.no_restart:
                 why = {2: "a usage error", 126: "cannot execute",

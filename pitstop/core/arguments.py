@@ -6,6 +6,7 @@ OSError from the file system becomes a ``CheckpointError`` that names the direct
 from __future__ import annotations
 
 import errno
+import logging
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -131,6 +132,11 @@ def check_preemption(preemption: Any, preemption_exit: Any, grace_seconds: Any
         if env not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
             raise InvalidArgumentError(f"PITSTOP_PREEMPTION_EXIT must be 1 or 0, got {env!r}")
         preemption_exit = env in ("1", "true", "yes", "on")
+    if preemption_exit and not sources:
+        logging.getLogger("pitstop").warning(
+            "pitstop: preemption_exit is set but no notice source is watched (preemption=None "
+            "and no PITSTOP_PREEMPTION): it does nothing. Pass preemption='auto' (or 'gce', "
+            "'aws', 'azure'); SIGTERM exits after its save in any case.")
     return tuple(sources), preemption_exit, _grace(grace_seconds)
 
 
@@ -149,8 +155,10 @@ def _grace(grace_seconds: Any) -> float | None:
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or \
             not grace_seconds > 0 or grace_seconds == float("inf"):
         raise InvalidArgumentError(
-            f"{where} must be None (no deadline for SIGTERM) or a positive number of seconds "
-            f"(Kubernetes' terminationGracePeriodSeconds, e.g. 30), got {grace_seconds!r}")
+            f"{where} must be "
+            f"{'unset' if where.isupper() else 'None'} (no deadline for SIGTERM) or a positive "
+            f"number of seconds (Kubernetes' terminationGracePeriodSeconds, e.g. 30), got "
+            f"{grace_seconds!r}")
     return float(grace_seconds)
 
 

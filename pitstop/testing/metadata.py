@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline-in", type=float, default=None,
                     help="AWS/Azure: seconds from the notice to the deadline")
     args = ap.parse_args(argv)
+    if args.after < 0 or (args.deadline_in is not None and args.deadline_in < 0):
+        ap.error("--after and --deadline-in are seconds from now: 0 or more")
     with FakeMetadata() as fake:
         for k, v in fake.env().items():
             print(f"export {k}={v}", flush=True)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import http.client
 import json
 import logging
 import os
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ ENDPOINTS = {
 }
 #: seconds a request may take (connect, and each read) before it counts as "no notice"
 TIMEOUT_S = 0.5
+#: preemption="auto" that found no service asks again this often
+AUTO_RETRY_S = 30.0
 #: the least seconds between two polls of one source
 INTERVAL_S = 1.0
 #: GCE gives no time: the machine is stopped about this long after the notice
@@ -69,20 +72,46 @@ class PollError(Exception):
     """A source answered, but not as the service does (counted as no notice)."""
 
 
-# the metadata services are link-local or internal: never through a proxy
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+class _DeadlineSocket(socket.socket):
+    """A socket whose reads all end by one deadline: a server that trickles its answer a
+    byte at a time cannot hold a poll past it (a timeout per read would let it)."""
+
+    deadline = 0.0
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no whole answer within {TIMEOUT_S} s")
+        self.settimeout(left)
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _Connection(http.client.HTTPConnection):
+    """HTTP to a metadata service (plain HTTP, link-local or internal: never a proxy), every
+    request over within TIMEOUT_S from its connect to its last byte."""
+
+    def connect(self) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        plain = socket.create_connection((self.host, self.port), TIMEOUT_S)
+        sock = _DeadlineSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+        sock.deadline = deadline
+        self.sock = sock
 
 
 def _request(method: str, url: str, headers: dict[str, str], data: bytes | None = None
              ) -> tuple[int, Any, bytes]:
     """(status, headers, body) of one request; an HTTP error status is an answer too."""
-    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise PollError(f"{url}: a metadata endpoint is a plain http:// URL")
+    conn = _Connection(parts.hostname, parts.port or 80, timeout=TIMEOUT_S)
     try:
-        with _opener.open(req, timeout=TIMEOUT_S) as r:
-            return r.status, r.headers, r.read(1 << 16)
-    except urllib.error.HTTPError as e:
-        with contextlib.closing(e):
-            return e.code, e.headers, e.read(1 << 16) if e.fp is not None else b""
+        conn.request(method, (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                     body=data, headers=headers)
+        r = conn.getresponse()
+        return r.status, r.headers, r.read(1 << 16)
+    finally:
+        conn.close()
 
 
 def endpoint(source: str) -> str:
@@ -205,11 +234,14 @@ class Azure:
     def poll(self) -> Notice | None:
         for event in self._events():
             if isinstance(event, dict) and event.get("EventType") == "Preempt":
+                now = time.time()
                 deadline = None
+                if not event.get("NotBefore"):
+                    deadline = now  # no NotBefore: the event has started, the machine goes now
                 with contextlib.suppress(TypeError, ValueError, IndexError):
                     deadline = email.utils.parsedate_to_datetime(
                         str(event.get("NotBefore") or "")).timestamp()
-                return Notice(self.name, time.time(), deadline, str(event.get("EventId")))
+                return Notice(self.name, now, deadline, str(event.get("EventId")))
         return None
 
 
@@ -249,7 +281,7 @@ class Watcher:
     def _live(self) -> bool:
         return not self._stop.is_set() and os.getpid() == self.owner_pid
 
-    def _pollers(self) -> list[Any]:
+    def _pollers(self, quiet: bool = False) -> list[Any]:
         if "auto" not in self.sources:
             return [POLLERS[s]() for s in self.sources]
         found = [POLLERS[s]() for s in self.sources if s != "auto"]
@@ -266,8 +298,10 @@ class Watcher:
                 log.debug("pitstop: preemption='auto': no %s metadata service at %s (%s)",
                           name, poller.base, e)
         if not found:
+            if quiet:
+                return found
             log.info("pitstop: preemption='auto' found no metadata service answering here "
-                     "(GCE, AWS, Azure): no cloud preemption notice is watched")
+                     "(GCE, AWS, Azure): none is watched; it asks again every %.0f s", AUTO_RETRY_S)
         else:
             log.info("pitstop: watching preemption notices from %s",
                      ", ".join(p.name for p in found))
@@ -275,6 +309,11 @@ class Watcher:
 
     def _run(self) -> None:
         pollers = self._pollers()
+        while not pollers and "auto" in self.sources and self._live():
+            # a metadata service may come up after the job (or answer late): look again
+            if self._stop.wait(AUTO_RETRY_S):
+                return
+            pollers = self._pollers(quiet=True)
         due = {p.name: 0.0 for p in pollers}
         seen: dict[str, str] = {}
         while pollers and self._live():

@@ -117,9 +117,30 @@ def test_auto_keeps_the_services_that_answer_as_theirs(monkeypatch, caplog):
         for name in ("gce", "aws", "azure"):
             monkeypatch.setenv(preemption.ENDPOINTS[name][0], nothing.url)
         w = Watcher(("auto",), lambda n: None).start()
+        until(lambda: any("found no metadata service" in r.getMessage()
+                          for r in caplog.records), what="the line saying none answers")
+        w.stop()  # it waits to ask again; a close ends it at once
         until(lambda: not w._thread.is_alive(), what="the watcher to end")
     said = [r for r in caplog.records if "found no metadata service" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO
+
+
+def test_auto_finds_a_service_that_comes_up_late(monkeypatch):
+    monkeypatch.setattr(preemption, "AUTO_RETRY_S", 0.2)
+    with FakeMetadata(services=()) as nothing:
+        for name in ("gce", "aws", "azure"):
+            monkeypatch.setenv(preemption.ENDPOINTS[name][0], nothing.url)
+        notices: list[Notice] = []
+        w = Watcher(("auto",), notices.append).start()
+        try:
+            until(lambda: nothing.count("gce") >= 1, what="a first look")
+            with FakeMetadata(services=("gce",)) as late:
+                monkeypatch.setenv(preemption.ENDPOINTS["gce"][0], late.url)
+                late.announce("gce")
+                until(lambda: notices, what="the late service's notice")
+            assert notices[0].source == "gce"
+        finally:
+            w.stop()
 
 
 # ====================================================================== the watcher
@@ -411,3 +432,54 @@ def test_the_environment_applies_when_the_keywords_are_left_alone(tmp_path, monk
         assert mgr._res.watcher is None and mgr._signals.grace_seconds == 12.5
     with pitstop.CheckpointManager(tmp_path / "c", preemption="azure", grace_seconds=3) as mgr:
         assert mgr._res.watcher.sources == ("azure",) and mgr._signals.grace_seconds == 3.0
+
+
+def test_a_service_that_trickles_its_answer_cannot_hold_a_poll(monkeypatch) -> None:
+    import http.server
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Metadata-Flavor", "Google")
+            self.end_headers()
+            for _ in range(100):  # a byte every 0.1 s: each read is quick, the whole is 10 s
+                try:
+                    self.wfile.write(b"F")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PITSTOP_GCE_METADATA", f"http://127.0.0.1:{server.server_port}")
+        t = time.monotonic()
+        with pytest.raises(TimeoutError):
+            Gce().poll()
+        assert time.monotonic() - t < 5.0  # the poll's deadline (0.5 s), not the answer's 10 s
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_azure_preempt_event_without_notbefore_is_due_now(monkeypatch) -> None:
+    with FakeMetadata(("azure",)) as fake:
+        for k, v in fake.env().items():
+            monkeypatch.setenv(k, v)
+        fake.announce("azure", 30)
+        fake._notices["azure"]["NotBefore"] = ""  # Azure's way of saying: started already
+        before = time.time()
+        notice = Azure().poll()
+        assert notice is not None and notice.deadline_unix is not None
+        assert before <= notice.deadline_unix <= time.time()
+
+
+def test_the_fake_services_command_refuses_a_time_in_the_past() -> None:
+    r = subprocess.run([sys.executable, "-m", "pitstop.testing.metadata", "--announce", "aws",
+                        "--after", "-5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "0 or more" in r.stderr and "Traceback" not in r.stderr
