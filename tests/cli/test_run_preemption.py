@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from test_run import expected  # the same job arithmetic as test_run.py's
 
 import pitstop
 
@@ -69,14 +70,6 @@ if [ "${SCONTROL_STATUS:-0}" != 0 ]; then
 fi
 exit "${SCONTROL_STATUS:-0}"
 '''
-
-
-def expected(last_step: int) -> np.ndarray:
-    w = np.zeros(64)
-    for step in range(last_step + 1):
-        w *= 0.5
-        w += np.sin(step + np.arange(64.0))
-    return w
 
 
 @pytest.fixture

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from pitstop.core.save.skips import update_record
+
 log = logging.getLogger("pitstop")
 
 #: each source's endpoint: (environment variable, default), as the real services answer
@@ -47,7 +49,6 @@ INTERVAL_S = 1.0
 GCE_NOTICE_S = 30.0
 #: notices kept in directory.json (the newest)
 RECORDED = 20
-IDENTITY = "directory.json"
 #: the key of the checkpoint's user metadata that says which notice it was saved for
 METADATA_KEY = "preemption"
 
@@ -450,20 +451,12 @@ def record_notice(storage: Any, entry: dict[str, Any]) -> None:
     """Append ``entry`` to directory.json's ``"preemption"`` list (the newest
     :data:`RECORDED` kept), the file and write path the skipped saves use. Informational:
     a failure is logged, never raised."""
-    try:
-        raw = storage.read_meta(IDENTITY)
-        if raw is None:
-            return
-        doc = json.loads(raw)
-        if not isinstance(doc, dict):
-            return
+    def change(doc: dict[str, Any]) -> None:
         old = doc.get(METADATA_KEY)
         kept = [e for e in old if isinstance(e, dict)] if isinstance(old, list) else []
         doc[METADATA_KEY] = (kept + [entry])[-RECORDED:]
-        storage.write_meta(IDENTITY, json.dumps(doc).encode())
-    except Exception as e:  # noqa: BLE001 - informational: never a save's failure
-        log.warning("pitstop: could not record the preemption notice in %s/.pitstop/%s: %s",
-                    getattr(storage, "location", "?"), IDENTITY, e)
+
+    update_record(storage, "the preemption notice", change)
 
 
 __all__ = ["Notice", "Watcher", "Gce", "Aws", "Azure", "ENDPOINTS", "TIMEOUT_S",

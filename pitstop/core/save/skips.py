@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("pitstop")
@@ -27,6 +28,25 @@ KEPT_STEPS = 1000
 REASON = "previous save still persisting"
 IDENTITY = "directory.json"
 
+
+
+def update_record(storage: Any, what: str, change: Callable[[dict[str, Any]], None]) -> bool:
+    """Read ``.pitstop/directory.json``, let ``change`` edit it, write it back; False when it
+    was not written. Informational records only: never raises, a failure is logged."""
+    try:
+        raw = storage.read_meta(IDENTITY)
+        if raw is None:
+            return False
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            return False
+        change(doc)
+        storage.write_meta(IDENTITY, json.dumps(doc).encode())
+        return True
+    except Exception as e:  # noqa: BLE001 - informational: never a save's failure
+        log.warning("pitstop: could not record %s in %s/.pitstop/%s: %s", what,
+                    getattr(storage, "location", "?"), IDENTITY, e)
+        return False
 
 class SkippedSaves:
     """This manager's busy skips: the count, the newest steps, what was said and recorded."""
@@ -100,13 +120,8 @@ class SkippedSaves:
             if self.count == self._recorded:
                 return
             count, steps = self.count, list(self.steps)[-RECORDED_STEPS:]
-        try:
-            raw = storage.read_meta(IDENTITY)
-            if raw is None:
-                return
-            doc = json.loads(raw)
-            if not isinstance(doc, dict):
-                return
+
+        def change(doc: dict[str, Any]) -> None:
             if self._base is None:
                 old = doc.get("skipped")
                 if isinstance(old, dict) and isinstance(old.get("count"), int) and \
@@ -118,10 +133,8 @@ class SkippedSaves:
             doc["skipped"] = {"count": base_n + count, "reason": REASON,
                               "steps": (base_steps + steps)[-RECORDED_STEPS:],
                               "last_unix": time.time()}
-            storage.write_meta(IDENTITY, json.dumps(doc).encode())
-        except Exception as e:  # noqa: BLE001 - informational: never a save's failure
-            log.warning("pitstop: could not record the skipped saves in %s/.pitstop/%s: %s",
-                        getattr(storage, "location", "?"), IDENTITY, e)
+
+        if not update_record(storage, "the skipped saves", change):
             return
         with self._lock:
             self._recorded = max(self._recorded, count)
