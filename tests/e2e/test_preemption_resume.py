@@ -106,16 +106,16 @@ def test_a_preempted_job_killed_after_the_deadline_resumes_bitwise_identical(
         job = Job(kind, tmp_path / "ck", tmp_path / "out.npz", source, fake.env())
         resumed: Job | None = None
         try:
-            until(lambda: job.last_step() >= 5, 15, "the job to train", job)
+            until(lambda: job.last_step() >= 5, 60, "the job to train", job)
             deadline = fake.announce(source, in_seconds=2)
-            rec = until(lambda: durable_record(tmp_path / "ck"), 10,
+            rec = until(lambda: durable_record(tmp_path / "ck"), 30,
                         "the notice's save to be durable", job)
             assert rec["source"] == source and rec["step"] >= 5
             assert rec["deadline_unix"] == pytest.approx(deadline, abs=1e-3 if source != "gce"
                                                          else 30)
             # it trains on after the save, as by default, until the machine is taken: after
             # AWS's deadline; GCE's (30 s) is not waited for, the kill only comes sooner
-            until(lambda: job.last_step() >= rec["step"] + 3, 10, "training on", job)
+            until(lambda: job.last_step() >= rec["step"] + 3, 30, "training on", job)
             if source != "gce":
                 until(lambda: time.time() > deadline, 5, "the deadline")
             job.proc.send_signal(signal.SIGKILL)

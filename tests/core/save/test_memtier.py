@@ -212,7 +212,13 @@ def test_tier_not_trusted_unless_newer_than_committed(tmp_path, cleanup_shm, cap
         assert mgr.restore(target) == newest
         assert_is_state(target, newest)
         assert mgr.all_steps() == [newest]
-        assert tier_files(ident) == []  # an untrusted snapshot is deleted, not kept
+        # an untrusted snapshot is deleted, not kept: what the tier holds now is at most the
+        # next save's buffer, made ahead by the restore (no description, nothing in it yet)
+        left = tier_files(ident)
+        assert not [f for f in left if not f.endswith(".buf")], left
+        for f in left:
+            with open(f, "rb") as fh:
+                assert not any(fh.read()), f"{f} still holds the untrusted snapshot's bytes"
         assert any("not newer than the committed step" in r.getMessage()
                    for r in caplog.records)
     finally:

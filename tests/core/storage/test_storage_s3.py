@@ -478,11 +478,11 @@ def test_a_lost_lock_stops_commits(bucket, s3env):
 
 def test_a_lock_not_renewed_in_time_is_taken_over(bucket, s3env):
     _put(s3env.endpoint, bucket, "run/.pitstop/lock", json.dumps(
-        {"token": "gone", "host": "another-host", "pid": 1, "ttl_s": 2}).encode())
+        {"token": "gone", "host": "another-host", "pid": 1, "ttl_s": 6}).encode())
     with pytest.raises(pitstop.DirectoryLockedError, match="pid 1 on another-host"):
         open_mgr(f"s3://{bucket}/run")
     import time
-    time.sleep(3.1)  # the holder's lifetime (2 s by the server's clock, in whole seconds) ends
+    time.sleep(7.1)  # the holder's lifetime (6 s by the server's clock, in whole seconds) ends
     with open_mgr(f"s3://{bucket}/run") as mgr:
         mgr.save(1, state_of(1)).wait()
 
