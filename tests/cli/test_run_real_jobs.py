@@ -254,7 +254,10 @@ def test_sighup_to_the_supervisor_gets_the_job_saved(tmp_path):
            "    time.sleep(0.01); m.step(s, {'w': np.zeros(3)})\n")
     p = subprocess.Popen([sys.executable, "-m", "pitstop.cli", "run", "--", sys.executable,
                           "-c", job, str(tmp_path / "ckpt")], cwd=ROOT, env=env(), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         # a suite started under nohup ignores SIGHUP, and so, by design, would
+                         # the supervisor (and the job): this test is of a terminal hanging up
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         p.stdout.readline()
         p.send_signal(signal.SIGHUP)
