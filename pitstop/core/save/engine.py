@@ -32,7 +32,7 @@ from typing import Any
 from pitstop.core.errors import CheckpointError, CheckpointWriteError
 from pitstop.core.format.schema import Manifest
 from pitstop.core.runtime.coordination import CoordinationError, Coordinator
-from pitstop.core.save.copying import Snapshots
+from pitstop.core.save.copying import FAST_HASHES, Snapshots
 from pitstop.core.save.handles import SaveHandle, SaveStats
 from pitstop.core.save.incremental import Previous
 from pitstop.core.save.lazy import LazyCopy
@@ -72,6 +72,11 @@ class Engine(WorldPersist, Snapshots):
         self.coordinator = coordinator
         self.hash_algorithm = hash_algorithm
         self.compression = compression
+        #: the raw bytes' hashes are wanted (plain files, the memory tier's seal, incremental
+        #: comparisons, several ranks): large host arrays are hashed in the snapshot copy
+        self.hash_in_copy = hash_algorithm in FAST_HASHES and (
+            coordinator is not None or tier is not None or self.incremental
+            or (compression in (None, "none") and encryption is None))
         self.writer_threads = max(1, writer_threads)
         self.pool = pool
         self.directory_id = directory_id

@@ -175,6 +175,9 @@ class StagingBuffer:
                                         layout.offsets, layout.nbytes, strict=True):
             self.views[k] = self.buf[off:off + n].view(dt).reshape(shape)
         self.view_list = list(self.views.values())
+        #: digests (the engine's hash algorithm) of arrays hashed as they were copied in,
+        #: by key: the persist hashes only the others (see copying.copy_hashing)
+        self.known_hashes: dict[str, str] = {}
         self.step: int | None = None
         self.busy = False
         #: busy only for a reader (:meth:`StagingPool.hold`): free again once that read ends

@@ -41,7 +41,9 @@ class DataFiles:
             # saves compare
             if raw_hashes or self.tier is not None or self.incremental or (
                     self.compression in (None, "none") and self.encryption is None):
-                out[layout.keys[i]] = hash_chunks(self.hash_algorithm, raw)
+                k = layout.keys[i]
+                known = buf.known_hashes.get(k)
+                out[k] = known if known is not None else hash_chunks(self.hash_algorithm, raw)
             # the non-finite guard holds with or without compression
             if check_finite and finite:
                 v = buf.views[layout.keys[i]]
@@ -80,8 +82,8 @@ class DataFiles:
                     if getattr(w, "direct", False):
                         end = min(-(-end // ALIGN) * ALIGN, buf.buf.size)
                     region = buf.buf[start:end]
-                    digests = _RunHasher(self.hash_algorithm, layout, run) \
-                        if hash_while_writing else None
+                    digests = _RunHasher(self.hash_algorithm, layout, run,
+                                         buf.known_hashes) if hash_while_writing else None
                     for at in range(0, end - start, WRITE_CHUNK):
                         if digests is not None:
                             digests.update(start + at, start + at + WRITE_CHUNK, buf.buf)
@@ -144,10 +146,13 @@ class _RunHasher:
     """Hashes the arrays of a run (consecutive layout indices) as the byte ranges of the
     staging buffer that hold them are fed in order; ``done`` maps each key to its digest."""
 
-    def __init__(self, algorithm: str, layout: Layout, run: list[int]) -> None:
+    def __init__(self, algorithm: str, layout: Layout, run: list[int],
+                 known: dict[str, str] | None = None) -> None:
         self.algorithm = algorithm
         self.layout = layout
         self.run = run
+        #: digests already made (in the snapshot copy): taken, those bytes not hashed again
+        self.known = known or {}
         self.next = 0  # position in run of the first array not finished
         self.hasher: Any = None
         self.done: dict[str, str] = {}
@@ -158,6 +163,11 @@ class _RunHasher:
         while self.next < len(run):
             i = run[self.next]
             a, n = layout.offsets[i], layout.nbytes[i]
+            known = self.known.get(layout.keys[i]) if self.hasher is None else None
+            if known is not None:
+                self.done[layout.keys[i]] = known
+                self.next += 1
+                continue
             if a >= hi:
                 return
             if self.hasher is None:
