@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -38,7 +37,14 @@ import torch
 import pitstop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import floor_write  # noqa: E402
+from bench_save import (  # noqa: E402
+    floor_write,
+    lost_in_passes,
+    pass_time,
+    passes_during,
+    process_cpu,
+    thread_cpu,
+)
 
 
 def build(mib: int, n: int = 21) -> tuple[torch.nn.ParameterList, torch.optim.Adam]:
@@ -50,16 +56,6 @@ def build(mib: int, n: int = 21) -> tuple[torch.nn.ParameterList, torch.optim.Ad
         p.grad = torch.randn_like(p)
     opt.step()
     return model, opt
-
-
-def thread_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_THREAD)
-    return r.ru_utime + r.ru_stime
-
-
-def process_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def write_floor(tensors: list[torch.Tensor], path: str) -> float:
@@ -85,22 +81,6 @@ def all_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torc
     for s in opt.state.values():
         out += [v for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
     return out
-
-
-def passes_during(opt: torch.optim.Optimizer, done) -> tuple[int, float]:
-    t = time.perf_counter()
-    k = 0
-    while not done():
-        opt.step()
-        k += 1
-    return k, time.perf_counter() - t
-
-
-def pass_time(opt: torch.optim.Optimizer, n: int = 5) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        opt.step()
-    return (time.perf_counter() - t) / n
 
 
 def measure(mib: int, reps: int, wd: str) -> dict:
@@ -129,14 +109,14 @@ def measure(mib: int, reps: int, wd: str) -> dict:
     floor_path = os.path.join(wd, "floor.bin")
     for r in range(reps):
         floors.append(write_floor(tensors, floor_path))
-        before = pass_time(opt)
+        before = pass_time(opt.step)
         t = time.perf_counter()
         h = mgr.save(11 + 2 * r, state)
         stalls.append(time.perf_counter() - t)
-        k, wall = passes_during(opt, h.done)
+        k, wall = passes_during(opt.step, h.done)
         h.wait()
-        after = pass_time(opt)
-        lost.append(stalls[-1] + wall - k * (before + after) / 2)
+        after = pass_time(opt.step)
+        lost.append(lost_in_passes(stalls[-1], k, wall, before, after))
         persists.append(h.result().persist_s)
         floors.append(write_floor(tensors, floor_path))
         # background work: the caller sleeps until durable
@@ -151,7 +131,7 @@ def measure(mib: int, reps: int, wd: str) -> dict:
     out.update(later_stall_s=statistics.median(stalls), lost_s=statistics.median(lost),
                background_cpu_s_per_gib=statistics.median(bg),
                persist_s=statistics.median(persists), write_floor_s=statistics.median(floors),
-               pass_s=pass_time(opt))
+               pass_s=pass_time(opt.step))
     read_floor(tensors, floor_path)
     out["warm_read_s"] = statistics.median(read_floor(tensors, floor_path) for _ in range(3))
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()},

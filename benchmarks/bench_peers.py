@@ -3,7 +3,9 @@
 One command, one markdown table. For each state size (fp32 "weights + Adam m + v", in each
 framework's own objects) and each peer, a child process (``--child save``) does one warm-up
 save and ``--reps`` measured saves, then runs a fixed CPU training loop with and without one
-save in it; a second fresh child (``--child restore``) restores into live objects, warm (the
+save in it, then measures one save's background CPU, a numpy loop's speed while a save
+persists, and the time lost by optimizer passes run back to back during a save (torch with its
+default threads); a second fresh child (``--child restore``) restores into live objects, warm (the
 page cache as the save left it) and cold (the checkpoint's files dropped from the page cache).
 The floors (memcpy into preallocated memory, one file written + fsync, the same file read warm
 and cold) are measured in the same run, and every figure is printed as a ratio to its floor
@@ -39,7 +41,20 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import PeakRSS, floor_memcpy, floor_write, parse_size, rss, train_step  # noqa: E402
+from bench_save import (  # noqa: E402
+    PeakRSS,
+    floor_memcpy,
+    floor_write,
+    loop_speed,
+    lost_in_passes,
+    parse_size,
+    pass_time,
+    passes_during,
+    process_cpu,
+    rss,
+    thread_cpu,
+    train_step,
+)
 
 import pitstop  # noqa: E402
 
@@ -630,13 +645,17 @@ def child_save(peer_name: str, spec: dict[str, Any], wd: str, reps: int,
     step = 0
     out["warmup_stall_s"], out["warmup_commit_s"] = timed_save(peer, step)
     peer.retire()
-    stalls, commits, peaks, retained, written = [], [], [], [], []
+    stalls, commits, peaks, retained, written, wfloors = [], [], [], [], [], []
     if out["warmup_commit_s"] > slow_s(spec):
         reps = out["reps_cut"] = 1  # a slow peer: one measured save, to keep the run's length
+    small = spec["label"].startswith(("small:", "as63:"))
+    floor_path = os.path.join(wd, "floor.bin")  # beside the peer's ckpt/, on the same disk
     for _ in range(reps):
         train()
         step += 1
         out["fingerprint"] = fingerprint(peer.arrays())  # what the restore child must find
+        if not small:  # floor, save, floor, save, ..., floor: the same drift hits both
+            wfloors.append(floor_write(peer.arrays(), floor_path))
         io0 = io_written()
         with PeakRSS() as peak:
             s, c = timed_save(peer, step)
@@ -647,6 +666,10 @@ def child_save(peer_name: str, spec: dict[str, Any], wd: str, reps: int,
         gc.collect()
         retained.append(rss() - base_rss)
         peer.retire()
+    if wfloors:
+        wfloors.append(floor_write(peer.arrays(), floor_path))
+        os.unlink(floor_path)
+        out.update(write_floor_interleaved_s=statistics.median(wfloors), write_floors=wfloors)
     out.update(stall_s=statistics.median(stalls), commit_s=statistics.median(commits),
                peak_mem=statistics.median(peaks), retained_mem=statistics.median(retained),
                io_written=statistics.median(written), stalls=stalls, commits=commits)
@@ -655,9 +678,10 @@ def child_save(peer_name: str, spec: dict[str, Any], wd: str, reps: int,
             "bytes", "stall_s", "persist_s", "hash_s", "write_s", "commit_s")}
     out["disk_bytes"] = disk_bytes(peer.newest())
 
-    if spec["label"].startswith(("small:", "as63:")):
+    if small:
         # the small-tensor case compares stall and restore with the same bytes in 63
-        # tensors; its lost time is left out to keep a full run near 25 minutes
+        # tensors; its lost time (and the figures after it) are left out to keep a full run
+        # near 25 minutes
         peer.close()
         return out
     # lost time: a loop of n steps with one save in it, minus the same loop without
@@ -701,7 +725,120 @@ def child_save(peer_name: str, spec: dict[str, Any], wd: str, reps: int,
     lost = [s - base for s in save_loops]
     out.update(lost_s=statistics.median(lost), losts=lost, loop_steps=n, step_s=step_s,
                loop_base_s=statistics.median(base_loops), loop_covered_commit=covered)
+    step = background_cpu(peer, spec, step, out)
+    step = numpy_rate(peer, compute, step, 1 if statistics.median(commits) > 2.0 else reps, out)
+    step = lost_passes(peer, step, reps, out)
     return finish(peer, step, train, out)
+
+
+def save_on_thread(peer: Peer, step: int) -> tuple[float, threading.Thread, dict[str, Any]]:
+    """``peer.save(step)``, its wait run on a daemon thread: the stall, the thread, and a
+    dict the thread fills with its own CPU seconds (``cpu``) or the wait's exception."""
+    box: dict[str, Any] = {}
+    t = time.perf_counter()
+    wait = peer.save(step)
+    stall = time.perf_counter() - t
+
+    def run() -> None:
+        c = thread_cpu()
+        try:
+            wait()
+        except BaseException as e:  # re-raised by joined()
+            box["error"] = e
+        box["cpu"] = thread_cpu() - c
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return stall, th, box
+
+
+def joined(th: threading.Thread, box: dict[str, Any]) -> dict[str, Any]:
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box
+
+
+def background_cpu(peer: Peer, spec: dict[str, Any], step: int, out: dict[str, Any]) -> int:
+    """One save while the caller sleeps in 5 ms slices until it is durable: the process's
+    CPU time on threads other than the caller's (and the waiter's own, which only waits and
+    fsyncs), per GiB of state: the save's background work."""
+    step += 1
+    c0, m0 = process_cpu(), thread_cpu()
+    _, th, box = save_on_thread(peer, step)
+    while th.is_alive():
+        time.sleep(0.005)
+    joined(th, box)
+    cpu = process_cpu() - c0 - (thread_cpu() - m0) - box["cpu"]
+    peer.retire()
+    out.update(bg_cpu_s_per_gib=cpu / (spec["bytes"] / GiB), bg_waiter_cpu_s=box["cpu"])
+    return step
+
+
+def numpy_rate(peer: Peer, compute: Compute, step: int, reps: int, out: dict[str, Any]) -> int:
+    """``Compute()`` calls per second from the save's return until it is durable, over the
+    rate with no save (measured just before and just after; each rep's after is the next
+    one's before)."""
+    base_s = min(2.0, max(0.25, out["commit_s"]))
+    before = loop_speed(compute, base_s)
+    rates = []
+    for _ in range(reps):
+        step += 1
+        _, th, box = save_on_thread(peer, step)
+        t = time.perf_counter()
+        compute()  # at least one call, however soon the save is durable
+        k, _ = passes_during(compute, lambda th=th: not th.is_alive())
+        during = (k + 1) / (time.perf_counter() - t)
+        joined(th, box)
+        after = loop_speed(compute, base_s)
+        rates.append(during / ((before + after) / 2))
+        before = after
+        peer.retire()
+    out.update(numpy_rate=statistics.median(rates), numpy_rates=rates)
+    return step
+
+
+def lost_passes(peer: Peer, step: int, reps: int, out: dict[str, Any]) -> int:
+    """Lost time with back-to-back optimizer passes (no ``Compute()``), as bench_lost.py
+    measures it: ``peer.step()`` runs from the save's return until it is durable; lost = the
+    stall + that wall time - the same passes at their plain speed (5 passes just before and
+    5 just after; each rep's after is the next one's before). Torch states run with torch's
+    default intra-op threads (all cores), as users run them; TF and JAX keep their step.
+    Two threads on two cores make any other load slow a pass 10-100x: a rep whose before and
+    after differ more than 2x is taken again (twice at most; the notes flag what is left)."""
+    ts = peer.state if isinstance(peer.state, TorchState) else None
+    threads = (os.cpu_count() or 1) if ts else 1
+    if ts:
+        ts.torch.set_num_threads(threads)
+    try:
+        peer.step()  # the thread pool exists before anything is timed
+        before = pass_time(peer.step)
+        losts, passes, times, drift, retried = [], [], [before], [], 0
+        for _ in range(reps):
+            for attempt in range(3):
+                step += 1
+                stall, th, box = save_on_thread(peer, step)
+                k, wall = passes_during(peer.step, lambda th=th: not th.is_alive())
+                joined(th, box)
+                after = pass_time(peer.step)
+                times.append(after)
+                d = max(before, after) / max(min(before, after), 1e-9)
+                lost = lost_in_passes(stall, k, wall, before, after)
+                before = after
+                peer.retire()
+                if d <= 2 or attempt == 2:
+                    break
+                retried += 1
+            losts.append(lost)
+            passes.append(k)
+            drift.append(d)
+    finally:
+        if ts:
+            ts.torch.set_num_threads(1)  # see THREADS
+    out.update(lost_passes_s=statistics.median(losts), lost_passes=losts, passes=passes,
+               pass_s=statistics.median(times), pass_times=times, pass_drift=drift,
+               passes_retried=retried, pass_threads=threads)
+    return step
 
 
 def finish(peer: Peer, step: int, train: Callable[[], None], out: dict[str, Any]
@@ -922,16 +1059,25 @@ def machine_facts(workdir: str) -> dict[str, str]:
     return facts
 
 
-FIGURES = [  # key, column, floor key (None: state bytes)
+RAW = "raw"  # a floor key: the figure is printed as it is, with no best-peer ratio
+FIGURES = [  # key, column, floor key (None: state bytes; RAW: the value itself)
     ("stall_s", "stall", "memcpy"),
     ("lost_s", "lost / save", "memcpy"),
+    ("lost_passes_s", "lost / save (passes)", "memcpy"),
     ("commit_s", "save → durable", "write"),
     ("restore_warm_s", "restore warm", "read_warm"),
     ("restore_cold_s", "restore cold", "read_cold"),
     ("peak_mem", "peak mem", None),
     ("retained_mem", "retained mem", None),
     ("disk_bytes", "disk", None),
+    ("bg_cpu_s_per_gib", "bg CPU-s/GiB", RAW),
+    ("numpy_rate", "numpy rate", RAW),
 ]
+#: figures divided by a floor the row's own child measured, when it did (else by the floors
+#: child's): save → durable by the write + fsync floor taken interleaved with the saves
+ROW_FLOORS = {"commit_s": "write_floor_interleaved_s"}
+#: the figures in seconds (their best peer is in the line above the table)
+TIMES = [k for k, _, f in FIGURES if f not in (None, RAW)]
 
 
 def cell(row: dict[str, Any], key: str, floors: dict[str, Any], floor_key: str | None,
@@ -939,7 +1085,10 @@ def cell(row: dict[str, Any], key: str, floors: dict[str, Any], floor_key: str |
     v = row.get(key)
     if v is None or "failed" in row:
         return "—"
-    f = floors.get(floor_key) if floor_key else row["state_bytes"]
+    if floor_key == RAW:
+        return f"{v:.2f}"
+    f = row.get(ROW_FLOORS.get(key, "")) or (floors.get(floor_key) if floor_key
+                                              else row["state_bytes"])
     a = f"{v / f:.2f}" if f else "?"
     if best is None or best <= 0 or (floor_key is None and best < 0.01 * row["state_bytes"]):
         return f"{a} · —"
@@ -965,8 +1114,14 @@ def render(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append("Each cell: ratio to the floor · ratio to the best peer (pitstop rows excluded "
                  "from best peer; lower is better). Floors: stall and lost time vs memcpy into "
-                 "preallocated memory; save → durable vs one file written + fsync; restore warm "
-                 "/ cold vs reading that file warm / cold; memory and disk vs the state's bytes.")
+                 "preallocated memory (lost / save in a compute + step loop; (passes): "
+                 "optimizer steps back to back, torch with its default threads); save → durable "
+                 "vs one file written + fsync of the same bytes, taken interleaved with the "
+                 "saves in the peer's own process (floor, save, floor, ...); restore warm / cold "
+                 "vs reading the floors' file warm / cold; memory and disk vs the state's bytes. "
+                 "bg CPU-s/GiB: CPU seconds of the save's background threads per GiB, as is; "
+                 "numpy rate: a numpy loop's speed while the save persists over its speed "
+                 "without one, as is (goal ≥ 0.6).")
     lines.append("")
     for size in results["sizes"]:
         fl = size["floors"]
@@ -975,8 +1130,8 @@ def render(results: dict[str, Any]) -> str:
             lines.append(f"**{size_label(spec)}**: floors failed: {fl['failed']}")
             continue
         best_txt = []
-        for key, col, _ in FIGURES[:5]:
-            b = size["best"].get(key)
+        for key, col, _ in FIGURES:
+            b = size["best"].get(key) if key in TIMES else None
             if b:
                 best_txt.append(f"{col} {b[0]:.3g} s ({b[1]})")
         lines.append(f"- **{size_label(spec)}** — floors: memcpy {fl['memcpy']:.3f} s, write + "
@@ -1009,7 +1164,9 @@ def render(results: dict[str, Any]) -> str:
 
 def best_of(rows: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
     best: dict[str, tuple[float, str]] = {}
-    for key, _, _ in FIGURES:
+    for key, _, f in FIGURES:
+        if f == RAW:
+            continue
         cands = [(r[key], r["peer"]) for r in rows if r.get(key) is not None and
                  "failed" not in r and "skipped" not in r and not r["peer"].startswith("pitstop")]
         if cands:
@@ -1027,7 +1184,10 @@ def notes_of(row: dict[str, Any], floors: dict[str, Any]) -> list[str]:
     if row.get("reps_cut"):
         notes.append("1 rep (a slow save or restore)")
     if row.get("peer") and "lost_s" not in row and "failed" not in row:
-        notes.append("lost time not measured (small-tensor case)")
+        notes.append("lost time, bg CPU, numpy rate not measured (small-tensor case)")
+    drift = max(row.get("pass_drift") or [0])
+    if drift > 2:  # other load on the cores, most likely
+        notes.append(f"passes: pass time before/after differ {drift:.1f}x (noisy)")
     if not row.get("loop_covered_commit", True):
         notes.append("commit outlasted the loop")
     if row.get("drop") == "fadvise" and row["peer"] == "pitstop+memtier":
@@ -1134,8 +1294,9 @@ def main() -> None:
                 row["notes"].append(f"restore failed: {row['restore_failed']}")
             rows.append(row)
             log(f"{label} {peer}: " + (f"failed: {row['failed']}" if "failed" in row else
-                ", ".join(f"{k} {row[k]:.3f}" for k in ("stall_s", "lost_s", "commit_s",
-                                                        "restore_warm_s", "restore_cold_s")
+                ", ".join(f"{k} {row[k]:.3f}" for k in (
+                    "stall_s", "lost_s", "lost_passes_s", "commit_s", "write_floor_interleaved_s",
+                    "restore_warm_s", "restore_cold_s", "bg_cpu_s_per_gib", "numpy_rate")
                           if k in row)) + f" ({time.perf_counter() - t:.0f} s)")
             results["sizes_partial"] = [*results["sizes"], {"spec": spec, "floors": floors,
                                                             "rows": rows}]

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,6 +86,44 @@ def train_step(w: np.ndarray, g: np.ndarray) -> None:
     np.multiply(g, 0.999, out=g)
     np.add(w, g, out=w)
     np.multiply(w, 1.0001, out=w)
+
+
+def thread_cpu() -> float:
+    """CPU seconds (user + system) of the calling thread so far."""
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_utime + r.ru_stime
+
+
+def process_cpu() -> float:
+    """CPU seconds (user + system) of this process, all its threads, so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def passes_during(step: Callable[[], object], done: Callable[[], bool]) -> tuple[int, float]:
+    """``step()`` back to back until ``done()``: how many calls, and their wall time."""
+    t = time.perf_counter()
+    k = 0
+    while not done():
+        step()
+        k += 1
+    return k, time.perf_counter() - t
+
+
+def pass_time(step: Callable[[], object], n: int = 5) -> float:
+    """The mean wall time of ``n`` calls of ``step()``."""
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t) / n
+
+
+def lost_in_passes(stall: float, k: int, wall: float, before: float, after: float) -> float:
+    """Time lost to one save by a loop of passes run back to back from its return until it
+    is durable: the stall, plus the ``k`` passes' ``wall`` time minus the same passes at
+    their plain speed (the mean of the pass times just ``before`` and just ``after``, so
+    drift cancels)."""
+    return stall + wall - k * (before + after) / 2
 
 
 def floor_memcpy(arrays: list[np.ndarray], dst: list[np.ndarray]) -> float:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = ["size", "peer", "stall", "lost / save", "save → durable", "restore warm",
-           "restore cold", "peak mem", "retained mem", "disk", "notes"]
+COLUMNS = ["size", "peer", "stall", "lost / save", "lost / save (passes)", "save → durable",
+           "restore warm", "restore cold", "peak mem", "retained mem", "disk", "bg CPU-s/GiB",
+           "numpy rate", "notes"]
 
 
 def _bench():
@@ -52,8 +53,11 @@ def test_quick_run_prints_the_table_with_finite_figures(tmp_path: Path) -> None:
     assert all(math.isfinite(v) and v > 0 for v in size["floors"].values())
     (res,) = size["rows"]
     assert res["restored_ok"] is True
-    for k in ("stall_s", "commit_s", "lost_s", "restore_warm_s", "restore_cold_s"):
+    for k in ("stall_s", "commit_s", "lost_s", "restore_warm_s", "restore_cold_s",
+              "lost_passes_s", "write_floor_interleaved_s", "bg_cpu_s_per_gib", "numpy_rate"):
         assert math.isfinite(res[k]), k
+    assert res["numpy_rate"] > 0 and res["write_floor_interleaved_s"] > 0
+    assert res["pass_threads"] >= 1
     assert res["commit_s"] >= res["stall_s"] > 0
     assert res["disk_bytes"] >= 1 << 20
 
@@ -66,14 +70,19 @@ def test_cells_are_ratios_to_the_floor_and_to_the_best_peer_without_pitstop() ->
     def row(peer: str, stall: float) -> dict:
         return {"peer": peer, "state_bytes": spec["bytes"], "stall_s": stall, "lost_s": stall,
                 "commit_s": 2.0, "restore_warm_s": 0.4, "restore_cold_s": 1.0,
-                "peak_mem": spec["bytes"], "retained_mem": 0, "disk_bytes": spec["bytes"]}
+                "peak_mem": spec["bytes"], "retained_mem": 0, "disk_bytes": spec["bytes"],
+                "lost_passes_s": stall, "bg_cpu_s_per_gib": 1.234, "numpy_rate": 0.5}
 
     rows = [row("torch.save", 0.4), row("dcp.save", 0.2), row("pitstop", 0.05)]
+    rows[2]["write_floor_interleaved_s"] = 4.0  # its own floor, taken between its saves
     results = {"facts": {"cpus": "2"}, "command": "x", "elapsed_s": 1.0, "extra": [],
                "sizes": [{"spec": spec, "floors": floors, "rows": rows,
                           "best": bench.best_of(rows)}]}
     table = {r[1]: r for r in _table(bench.render(results))}
     assert table["pitstop"][2] == "0.50 · 0.25"  # 0.05 s / memcpy 0.1 s; / dcp.save's 0.2 s
     assert table["torch.save"][2] == "4.00 · 2.00"
-    assert table["dcp.save"][4] == "2.00 · 1.00"  # save -> durable / write + fsync
-    assert table["dcp.save"][8] == "0.00 · —"  # a best of zero has no ratio
+    assert table["pitstop"][4] == "0.50 · 0.25"  # lost / save (passes), the same floors
+    assert table["dcp.save"][5] == "2.00 · 1.00"  # save -> durable / write + fsync
+    assert table["pitstop"][5] == "0.50 · 1.00"  # ... / the row's own interleaved floor
+    assert table["dcp.save"][9] == "0.00 · —"  # a best of zero has no ratio
+    assert table["pitstop"][11:13] == ["1.23", "0.50"]  # bg CPU-s/GiB, numpy rate: as they are
