@@ -7,7 +7,7 @@ state of fp32 weights + Adam m and v, pitstop beside ``torch.save``:
   ``save()`` until the save is durable; lost = that wall time - the same passes at their
   plain speed (measured just before and just after, so drift cancels), / memcpy;
 - background CPU-s per GiB: the process's CPU time on threads other than the caller's from
-  ``save()`` until durable, while the caller sleeps (the save's own background work);
+  ``save()``'s return until durable, while the caller sleeps (the save's own background work);
 - persist / write floor: save -> durable against one file written + fsync of the same bytes,
   taken interleaved (floor, save, floor, save...) in the same process;
 - restart restore: a fresh process restoring what this one saved (its files as the save left
@@ -120,8 +120,8 @@ def measure(mib: int, reps: int, wd: str) -> dict:
         persists.append(h.result().persist_s)
         floors.append(write_floor(tensors, floor_path))
         # background work: the caller sleeps until durable
-        c0, m0 = process_cpu(), thread_cpu()
         h = mgr.save(12 + 2 * r, state)
+        c0, m0 = process_cpu(), thread_cpu()  # from the return: the copy helpers' share is stall
         while not h.done():
             time.sleep(0.005)
         h.wait()

@@ -738,6 +738,7 @@ def save_on_thread(peer: Peer, step: int) -> tuple[float, threading.Thread, dict
     t = time.perf_counter()
     wait = peer.save(step)
     stall = time.perf_counter() - t
+    box["cpu0"] = (process_cpu(), thread_cpu())  # background work starts here
 
     def run() -> None:
         c = thread_cpu()
@@ -762,10 +763,11 @@ def joined(th: threading.Thread, box: dict[str, Any]) -> dict[str, Any]:
 def background_cpu(peer: Peer, spec: dict[str, Any], step: int, out: dict[str, Any]) -> int:
     """One save while the caller sleeps in 5 ms slices until it is durable: the process's
     CPU time on threads other than the caller's (and the waiter's own, which only waits and
-    fsyncs), per GiB of state: the save's background work."""
+    fsyncs), per GiB of state, from the save's return: the save's background work (a
+    helper thread's share of the stall's copy is stall, not background)."""
     step += 1
-    c0, m0 = process_cpu(), thread_cpu()
     _, th, box = save_on_thread(peer, step)
+    c0, m0 = box["cpu0"]
     while th.is_alive():
         time.sleep(0.005)
     joined(th, box)
