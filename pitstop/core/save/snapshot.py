@@ -37,8 +37,16 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MADV_POPULATE_WRITE = 23
 
 
-def _populate(m: mmap.mmap, size: int) -> bool:
-    """Map every page of ``m`` now without holding Python's lock; False where it cannot."""
+#: transparent huge pages for the anonymous staging buffer (where the kernel grants them,
+#: e.g. /sys/kernel/mm/transparent_hugepage/enabled = madvise): the O_DIRECT writes pin
+#: 512x fewer pages (background CPU of a persist: 0.035 -> 0.015 s/GiB) and the copy into
+#: it takes fewer TLB misses
+MADV_HUGEPAGE = 14
+
+
+def _populate(m: mmap.mmap, size: int, huge: bool = False) -> bool:
+    """Map every page of ``m`` now without holding Python's lock; False where it cannot.
+    ``huge``: ask for transparent huge pages first (anonymous memory; refused quietly)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -46,6 +54,8 @@ def _populate(m: mmap.mmap, size: int) -> bool:
         view = np.frombuffer(m, np.uint8)
         addr = view.ctypes.data
         del view
+        if huge:
+            libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE)
         return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size),
                             MADV_POPULATE_WRITE) == 0
     except (OSError, AttributeError, ValueError):
@@ -55,7 +65,7 @@ def _populate(m: mmap.mmap, size: int) -> bool:
 def _mapped(fd: int, size: int, flags: int) -> mmap.mmap:
     """``size`` bytes mapped from ``fd`` (-1: anonymous), every page present."""
     m = mmap.mmap(fd, size, flags=flags)
-    if _populate(m, size):
+    if _populate(m, size, huge=fd == -1):
         return m
     m.close()  # an older kernel (EINVAL): map it again the old way
     return mmap.mmap(fd, size, flags=flags | _POPULATE)
