@@ -110,7 +110,8 @@ class Snapshots:
                 self._copy_parallel(keys, leaves, views, known)
             else:
                 for key, leaf, view in zip(keys, leaves, views, strict=True):  # noqa: B007
-                    if known is None or not self._copied_hashing(key, leaf, view, known):
+                    if known is None or leaf.nbytes < HASH_IN_COPY_MIN or \
+                            not self._copied_hashing(key, leaf, view, known):
                         leaf.snapshot_into(view)
                 key = None
             for leaf in leaves:
@@ -142,15 +143,12 @@ class Snapshots:
         return buf
 
     def _copied_hashing(self, key: str, leaf: ArrayLeaf, view: np.ndarray,
-                        known: dict[str, str], src: np.ndarray | None = None) -> bool:
-        """Copy ``leaf`` into ``view`` hashing it (see :func:`copy_hashing`) when it is a
-        large host array; False, nothing done, when it is not one. A failure steps aside:
-        the leaf's own copy runs, and the persist hashes it."""
-        if leaf.nbytes < HASH_IN_COPY_MIN:
-            return False
+                        known: dict[str, str]) -> bool:
+        """Copy ``leaf`` (at least :data:`HASH_IN_COPY_MIN` bytes) into ``view`` hashing it
+        (see :func:`copy_hashing`) when it is a host array; False, nothing done, when it is
+        not one. A failure steps aside: the caller copies it, and the persist hashes it."""
         try:
-            if src is None:
-                src = leaf.host_view()
+            src = leaf.host_view()
             if src is None or src.dtype != view.dtype or src.nbytes != view.nbytes:
                 return False
             known[key] = copy_hashing(src, view, self.hash_algorithm)
@@ -174,11 +172,9 @@ class Snapshots:
         for i in big:  # the small ones: see copy_small
             leaf, view = leaves[i], views[i]
             if known is not None and HASH_IN_COPY_MIN <= leaf.nbytes <= share:
-                src = leaf.host_view()
-                if src is not None and src.dtype == view.dtype and src.nbytes == view.nbytes:
-                    tasks.append((leaf.nbytes, partial(self._hashing_task, keys[i], leaf, view,
-                                                       known, src)))
-                    continue
+                tasks.append((leaf.nbytes, partial(self._hashing_task, keys[i], leaf, view,
+                                                   known)))
+                continue
             src = getattr(leaf, "array", None)
             if (type(leaf) is NumpyLeaf and leaf.nbytes > COPY_CHUNK and src is not None
                     and src.flags.c_contiguous and src.dtype == view.dtype):
@@ -211,9 +207,9 @@ class Snapshots:
         for f in futures:
             f.result()
 
-    def _hashing_task(self, key: str, leaf: ArrayLeaf, view: np.ndarray, known: dict[str, str],
-                      src: np.ndarray) -> None:
-        if not self._copied_hashing(key, leaf, view, known, src):
+    def _hashing_task(self, key: str, leaf: ArrayLeaf, view: np.ndarray,
+                      known: dict[str, str]) -> None:
+        if not self._copied_hashing(key, leaf, view, known):
             leaf.snapshot_into(view)
 
     def _start_lazy(self, step: int, deferred: list[tuple[str, ArrayLeaf, np.ndarray]],
