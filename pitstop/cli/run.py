@@ -80,9 +80,11 @@ PASS_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 # ====================================================================== helpers
 def say(message: str) -> None:
-    """One line of the supervisor's on stderr."""
+    """One line of the supervisor's on stderr, in one write: the job shares the stream, and
+    ``print`` writes the text and its newline apart (the job's line then lands between)."""
     with contextlib.suppress(OSError, ValueError):
-        print(f"pitstop run: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"pitstop run: {message}\n")
+        sys.stderr.flush()
 
 
 #: what :func:`newest_step` answers for a directory it cannot read
