@@ -19,6 +19,10 @@ from pitstop.core.storage.local import pread_full
 
 SMALL = 1 << 20
 WINDOW = 8 << 20
+#: the first read-ahead window after a jump: small reads that follow one another in the file
+#: double it up to WINDOW, so one small array between large ones (a torch optimizer's
+#: ``step`` between its moments) reads this much, not WINDOW it throws away
+WINDOW_MIN = 256 << 10
 
 
 class CheckpointFiles:
@@ -114,7 +118,9 @@ class CheckpointFiles:
 
 class _FileSource:
     """Reads one data file through one descriptor; small reads are served from a window
-    read ahead in one call, so thousands of small tensors cost a few large reads."""
+    read ahead in one call, so thousands of small tensors cost a few large reads. The window
+    grows as the kernel's read-ahead does: from WINDOW_MIN after a jump, doubled each time a
+    small read continues where the last window ended, up to WINDOW."""
 
     def __init__(self, reader: CheckpointFiles, holder: str, fname: str) -> None:
         self.reader = reader
@@ -132,6 +138,8 @@ class _FileSource:
                 self.fd = None  # the plain path below reports it
         self.window = np.empty(0, np.uint8)
         self.w_start = self.w_end = 0
+        #: the size of the next window read
+        self.span = WINDOW_MIN
         #: one reader at a time: the shards of a sharded array may lie in several data files,
         #: so a file's source can be read by another file's thread too
         self.lock = threading.Lock()
@@ -145,7 +153,11 @@ class _FileSource:
         if self.fd is None:
             return self.reader.storage.read_into(self.holder, self.fname, offset, out)
         if n <= SMALL and not (self.w_start <= offset and offset + n <= self.w_end):
-            size = max(0, min(WINDOW, self.length - offset))
+            # (sequential: it starts in the last window or within an alignment page after it)
+            sequential = self.w_start < self.w_end and \
+                self.w_start <= offset < self.w_end + 4096
+            self.span = min(WINDOW, 2 * self.span) if sequential else WINDOW_MIN
+            size = max(0, min(max(self.span, n), self.length - offset))
             if self.window.size < WINDOW:
                 self.window = np.empty(WINDOW, np.uint8)
             got = _pread(self.fd, self.window[:size], offset)
