@@ -88,11 +88,15 @@ def measure(mib: int, reps: int, wd: str) -> dict:
     tensors = all_tensors(model, opt)
     nbytes = sum(x.numel() * 4 for x in tensors)
     src = [x.clone() for x in tensors]
-    t = time.perf_counter()
-    for d, s in zip(tensors, src, strict=True):
-        d.copy_(s)
-    memcpy = time.perf_counter() - t
-    del src
+
+    def copy() -> float:
+        t = time.perf_counter()
+        for d, s in zip(tensors, src, strict=True):
+            d.copy_(s)
+        return time.perf_counter() - t
+
+    memcpy = statistics.median(copy() for _ in range(3))  # (one alone drifts 0.06-0.1 s)
+    src.clear()
     state = {"model": model, "opt": opt}
     out: dict = {"mib": nbytes / 2**20, "memcpy_s": memcpy}
     mgr = pitstop.CheckpointManager(os.path.join(wd, "pitstop"), keep_last=1, memory_tier=False,

@@ -44,6 +44,19 @@ from pitstop.core.storage import Storage
 
 log = logging.getLogger("pitstop")
 
+#: CPU seconds per GiB that reading a checkpoint back into the page cache costs the process:
+#: the read-back (POSIX_FADV_WILLNEED allocates the pages: 0.18-0.29 s) and their release
+#: when retention deletes the checkpoint (0.13-0.20 s), measured on a 2-core VM, ext4
+WARM_CPU_S_PER_GIB = 0.35
+#: the share of the time between saves that warming each one at commit may cost
+WARM_SHARE = 0.01
+
+
+def warm_gap_s(nbytes: int) -> float:
+    """How far apart saves must be for each to be read back into the page cache at commit
+    at no more than WARM_SHARE of the time between them (1 GiB: 35 s)."""
+    return WARM_CPU_S_PER_GIB * nbytes / 2**30 / WARM_SHARE
+
 
 class Engine(WorldPersist, Snapshots):
     """Snapshots on the caller's thread, persists on a background thread."""
@@ -310,9 +323,13 @@ class Engine(WorldPersist, Snapshots):
             del job
             if manifest is not None:
                 self._unwarmed = (name, list(manifest.files))
-                # saves far apart (the usual case): warm now. Saves back to back: the
-                # read-back would slow the next save's writes; close() warms the last one
-                if self._queue.empty() and gap_s > 4 * (time.perf_counter() - t_job):
+                # only saves far apart are warmed at commit (close() warms the last one): the
+                # read-back and the release of those pages when retention deletes the
+                # checkpoint cost the training CPU, and back to back the read-back slows the
+                # next save's writes
+                size = sum(manifest.files.values())
+                if self._queue.empty() and gap_s > max(4 * (time.perf_counter() - t_job),
+                                                       warm_gap_s(size)):
                     self.warm_newest()
 
 

@@ -643,6 +643,41 @@ def test_newest_checkpoint_is_read_back_into_the_page_cache(tmp_path, monkeypatc
     assert [w[0] for w in warmed] == [step_name(4), step_name(5)]  # step 5 at close, once
 
 
+def test_a_save_is_warmed_at_commit_only_when_that_costs_little_of_the_gap(tmp_path,
+                                                                        monkeypatch):
+    """The read-back and the release of its pages cost CPU per GiB: a save is read back at
+    commit only when the one before came long enough earlier for that to be WARM_SHARE of
+    the time between them (1 GiB: 35 s), else only at close()."""
+    import pitstop.core.save.engine as engine
+    from pitstop.core.storage.local import LocalStorage
+    assert engine.warm_gap_s(2**30) == pytest.approx(35.0)
+    warmed: list[str] = []
+    monkeypatch.setattr(LocalStorage, "warm_cache", lambda self, name, files:
+                        warmed.append(name))
+    state = make_state(1)
+    # as if each GiB cost an hour of CPU: this state's saves must be a minute apart
+    monkeypatch.setattr(engine, "WARM_CPU_S_PER_GIB", 3600.0)
+    with pitstop.CheckpointManager(tmp_path / "c", memory_tier=False) as mgr:
+        eng = mgr._engine
+        eng._last_submit = time.perf_counter()
+        mgr.save(0, state).wait()  # right after the one before: never at commit
+        d = tmp_path / "c" / step_name(0)
+        need = engine.warm_gap_s(sum(os.path.getsize(d / f) for f in os.listdir(d)
+                                     if f != "manifest.json"))
+        assert need > 10  # (far above how long the saves here take)
+        eng._last_submit = time.perf_counter() - need / 2
+        mgr.save(1, state).wait()
+        time.sleep(0.2)
+        assert warmed == []  # half the gap it needs: not at commit
+        eng._last_submit = time.perf_counter() - 2 * need
+        mgr.save(2, state).wait()
+        deadline = time.monotonic() + 30
+        while not warmed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert warmed == [step_name(2)]
+    assert warmed == [step_name(2)]  # close(): step 2 is warm already
+
+
 def test_a_file_system_that_refuses_o_direct_after_creating_the_file_still_saves(
         tmp_path, monkeypatch):
     """Linux checks O_DIRECT support after O_CREAT made the file (tmpfs before 6.6, some
