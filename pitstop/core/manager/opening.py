@@ -233,7 +233,7 @@ def start(mgr: Manager, options: ManagerOptions) -> None:
         directory_id=mgr.directory_id, on_commit=mgr._catalog.committed, tier=tier,
         name_of=mgr.naming.name, copy_threads=copy_threads, coordinator=coord,
         encryption=encryption, incremental=incremental,
-        lazy=snapshot == "lazy" and async_save)
+        lazy=snapshot == "lazy" and async_save, hash_in_copy=options.hash_in_copy)
     if encryption is not None and not mgr.read_only and (coord is None or
                                                           coord.leader):
         # each encrypted save records its place in the directory's order of saves

@@ -19,6 +19,7 @@ from pitstop.core.arguments import (
     check_preemption,
     check_snapshot,
 )
+from pitstop.core.errors import InvalidArgumentError
 from pitstop.core.format.hashing import DEFAULT
 from pitstop.core.policy import KeepBest, KeepEverySteps, KeepLast, RetentionPolicy
 from pitstop.core.runtime.signals import DEFAULT_SIGNALS, check_signals
@@ -56,6 +57,8 @@ class ManagerOptions:
         compression: None, "zstd" or "zstd+shuffle".
         writer_threads: threads that write a save (None: min(4, cores)).
         copy_threads: threads that copy a snapshot (None: pitstop decides).
+        hash_in_copy: hash large arrays while copying them into the staging buffer: a
+            longer stall for less background work (training that keeps every core busy).
         durable: fsync what is written (False: faster, lost on a power cut).
         read_only: only read the directory: no lock, no writes, no engine.
         on_save: called with each save's :class:`SaveStats` once it committed.
@@ -95,6 +98,7 @@ class ManagerOptions:
     compression: str | None = None
     writer_threads: int | None = None
     copy_threads: int | None = None
+    hash_in_copy: bool = False
     durable: bool = True
     read_only: bool = False
     on_save: Callable[[SaveStats], None] | None = None
@@ -118,6 +122,9 @@ class ManagerOptions:
                         self.max_in_flight, self.memory_tier, self.writer_threads,
                         self.copy_threads)
         check_callables(self.save_policy, self.retention, self.on_save)
+        if not isinstance(self.hash_in_copy, bool):
+            raise InvalidArgumentError(f"hash_in_copy must be True or False, got "
+                                       f"{self.hash_in_copy!r}")
         check_snapshot(self.snapshot)
         check_encryption(self.encryption)
         check_incremental(self.incremental)

@@ -67,7 +67,7 @@ class Engine(WorldPersist, Snapshots):
                  tier: Any = None, name_of: Callable[[int], str],
                  copy_threads: int | None = None, coordinator: Coordinator | None = None,
                  encryption: Any = None, incremental: bool = False,
-                 lazy: bool = False) -> None:
+                 lazy: bool = False, hash_in_copy: bool = False) -> None:
         self.storage = storage
         #: incremental checkpoints: arrays unchanged since this engine's last commit are
         #: referenced, not written (the manager turns it off for multi-rank and encrypted saves)
@@ -85,9 +85,10 @@ class Engine(WorldPersist, Snapshots):
         self.coordinator = coordinator
         self.hash_algorithm = hash_algorithm
         self.compression = compression
-        #: the raw bytes' hashes are wanted (plain files, the memory tier's seal, incremental
-        #: comparisons, several ranks): large host arrays are hashed in the snapshot copy
-        self.hash_in_copy = hash_algorithm in FAST_HASHES and (
+        #: asked for, and the raw bytes' hashes are wanted (plain files, the memory tier's
+        #: seal, incremental comparisons, several ranks): large host arrays are hashed in the
+        #: snapshot copy (a longer stall for less background work, see docs/performance.md)
+        self.hash_in_copy = hash_in_copy and hash_algorithm in FAST_HASHES and (
             coordinator is not None or tier is not None or self.incremental
             or (compression in (None, "none") and encryption is None))
         self.writer_threads = max(1, writer_threads)
