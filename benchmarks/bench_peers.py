@@ -71,6 +71,7 @@ PITSTOP_OPTIONS: dict[str, dict[str, Any]] = {
     "pitstop+zstd": {"memory_tier": False, "compression": "zstd+shuffle"},
     "pitstop+lazy": {"memory_tier": False, "snapshot": "lazy"},
     "pitstop+incremental": {"memory_tier": False, "incremental": True},
+    "pitstop+hash_in_copy": {"memory_tier": False, "hash_in_copy": True},
 }
 PEERS = ["torch.save", "dcp.save", "dcp.async_save", "tf.Checkpoint", "tf.Checkpoint+async",
          "keras.ModelCheckpoint", "orbax.CheckpointManager", *PITSTOP_OPTIONS]
