@@ -40,7 +40,10 @@ ROWS, COLS = 8, 8
 
 
 def mark(text: str) -> None:
-    print(MARK + text, flush=True)
+    # one write per line: print writes the text and its newline apart, and a mark from
+    # another thread (a save's hook) then lands between them, on no line of its own
+    sys.stdout.write(MARK + text + "\n")
+    sys.stdout.flush()
 
 
 # ---------------------------------------------------------------------------- the state

@@ -62,7 +62,10 @@ class Ctx:
 
     def mark(self, text: str) -> None:
         """Print a progress mark a test can wait for (``dist_helpers.wait_for_mark``)."""
-        print(MARK + text, flush=True)
+        # one write per line: print writes the text and its newline apart, and a mark from
+        # another thread (a save's hook) then lands between them, on no line of its own
+        sys.stdout.write(MARK + text + "\n")
+        sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- data
