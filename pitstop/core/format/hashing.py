@@ -16,6 +16,12 @@ ALGORITHMS: dict[str, Callable[[], Any]] = {
     "blake2b": hashlib.blake2b,
 }
 DEFAULT = "xxh3-128"
+#: name -> the hex digest of one buffer in one call, where the library has one: many small
+#: arrays then cost no hasher object each
+_ONE_CALL: dict[str, Callable[[Any], str]] = {
+    "xxh3-128": xxhash.xxh3_128_hexdigest,
+    "xxh3-64": xxhash.xxh3_64_hexdigest,
+}
 
 
 def new_hasher(algorithm: str) -> Any:
@@ -30,6 +36,20 @@ def new_hasher(algorithm: str) -> Any:
 
 def hash_bytes(algorithm: str, data: Any) -> str:
     """Hash one buffer and return the hex digest."""
-    h = new_hasher(algorithm)
-    h.update(data)
-    return str(h.hexdigest())
+    return digest_of(algorithm)(data)
+
+
+def digest_of(algorithm: str) -> Callable[[Any], str]:
+    """The function that hashes one buffer with ``algorithm`` and returns its hex digest
+    (one library call for xxh3; for a loop over many small buffers)."""
+    one = _ONE_CALL.get(algorithm)
+    if one is not None:
+        return one
+    new_hasher(algorithm)  # (an unknown name: its ValueError)
+    make = ALGORITHMS[algorithm]
+
+    def digest(data: Any) -> str:
+        h = make()
+        h.update(data)
+        return str(h.hexdigest())
+    return digest

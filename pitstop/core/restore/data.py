@@ -66,9 +66,9 @@ def read_data(plan: RestorePlan) -> None:
         with plan.written_lock:
             plan.written.append(key)
 
-    def wrote(key: str) -> None:
+    def wrote(keys: list[str]) -> None:
         with plan.written_lock:
-            plan.written.append(key)
+            plan.written.extend(keys)
 
     def restore(item: Any) -> None:
         if type(item[0]) is list:

@@ -33,7 +33,7 @@ from pitstop.core.storage.local import MANIFEST
 from pitstop.core.tree import FlatState, decode_value, unflatten
 
 
-def _nothing(key: str) -> None:
+def _nothing(keys: list[str]) -> None:
     """``written`` of a read into new arrays (nothing live is written)."""
 
 

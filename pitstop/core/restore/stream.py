@@ -14,7 +14,7 @@ import zstandard
 from pitstop.core.errors import CheckpointError, CorruptCheckpointError
 from pitstop.core.format import codecs
 from pitstop.core.format.dtypes import decode_dtype
-from pitstop.core.format.hashing import new_hasher
+from pitstop.core.format.hashing import digest_of, new_hasher
 from pitstop.core.format.schema import ArrayEntry
 from pitstop.core.restore.files import SMALL, WINDOW, CheckpointFiles, _shown
 
@@ -109,18 +109,17 @@ class ArrayReader(CheckpointFiles):
         return runs, rest
 
     def read_plain_run(self, items: Sequence[tuple[str, ArrayEntry, np.ndarray | None]],
-                       written: Callable[[str], None]) -> None:
+                       written: Callable[[list[str]], None]) -> None:
         """Many small arrays of one data file into their targets, as :meth:`read_array`
         reads each, at a fraction of its cost per array: one read per window of them, then
         each copied in from the window and its hash checked. ``items``: ``(key, entry,
         out)`` in ascending offsets, each stored whole and plain (uncompressed,
         unencrypted, at most :data:`SMALL` bytes) into ``out``, C-contiguous of exactly its
-        bytes, or None to check the hash only; ``written(key)`` is called as each target is
-        written to (before its check, as a caller of ``read_array`` counts a target that a
-        failed read partly wrote)."""
-        make = new_hasher(self.manifest.hash_algorithm).__class__
-        empty = np.empty(0, np.uint8)
-        window = empty
+        bytes, or None to check the hash only; ``written(keys)`` is told, once per window,
+        which targets were written to (a failed check's own included, as a caller of
+        ``read_array`` counts a target that a failed read partly wrote)."""
+        digest = digest_of(self.manifest.hash_algorithm)
+        window = np.empty(0, np.uint8)
         i, n = 0, len(items)
         while i < n:
             first = items[i][1]
@@ -139,22 +138,28 @@ class ArrayReader(CheckpointFiles):
             try:
                 got = self._read(first, start, buf)
             except CheckpointError:
-                written(items[i][0])  # as read_array's caller: the entry being read
+                if items[i][2] is not None:
+                    written([items[i][0]])  # as read_array's caller: the entry being read
                 raise
-            for key, entry, out in items[i:j]:
-                a = entry.offset - start
-                if out is not None:
-                    written(key)
-                if a + entry.length > got:
-                    raise self._corrupt(key, entry, "the data file ends early (truncated)")
-                chunk = buf[a:a + entry.length]
-                if out is not None:
-                    (out.reshape(-1).view(np.uint8) if out.size else empty)[:] = chunk
-                h = make()
-                h.update(chunk)
-                if h.hexdigest() != entry.hash:
-                    raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, "
-                                        f"found {h.hexdigest()} (the bytes on disk changed)")
+            # (a memoryview's slice and copy hold the GIL for 1 KiB, where numpy's give it
+            # up and take it back, which two reading threads then queue for)
+            view = memoryview(buf)
+            done = i
+            try:
+                for key, entry, out in items[i:j]:
+                    a = entry.offset - start
+                    if a + entry.length > got:
+                        raise self._corrupt(key, entry, "the data file ends early (truncated)")
+                    chunk = view[a:a + entry.length]
+                    if out is not None:
+                        done += 1
+                        _copy_in(out, chunk)
+                    if digest(chunk) != entry.hash:
+                        raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, "
+                                            f"found {digest(chunk)} (the bytes on disk changed)")
+            finally:
+                if done > i:
+                    written([key for key, _e, _o in items[i:done]])
             i = j
 
     def _read_encrypted(self, key: str, entry: ArrayEntry, raw: np.ndarray, h: Any) -> None:
@@ -284,3 +289,13 @@ def nbytes_of(entry: ArrayEntry) -> int:
 
 #: the longest zstd frame header (magic, descriptor, window, dictionary id, content size)
 _FRAME_HEADER = 18
+
+
+def _copy_in(out: np.ndarray, chunk: memoryview) -> None:
+    """A small array's bytes into ``out`` (C-contiguous, of exactly those bytes)."""
+    try:
+        memoryview(out).cast("B")[:] = chunk
+    except (TypeError, ValueError, NotImplementedError, BufferError):
+        # a dtype the buffer protocol cannot carry (bfloat16, datetime64), or a read-only
+        # target: numpy copies, or says what is wrong as before
+        (out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8))[:] = chunk

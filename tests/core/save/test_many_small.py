@@ -226,3 +226,42 @@ def test_an_incremental_checkpoint_of_many_small_arrays_reads_each_from_its_own_
     for k, v in state["p"].items():
         np.testing.assert_array_equal(got["p"][k], v, err_msg=k)
         np.testing.assert_array_equal(target["p"][k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "xxh3-64", "sha256", "blake2b"])
+def test_many_small_arrays_restore_and_verify_under_every_hash_algorithm(tmp_path, algorithm):
+    # the runs' hasher was made from the class of an xxh3 hasher: hashlib's sha256 cannot
+    # be made that way, and such a restore raised a raw TypeError
+    from pitstop.core.restore.read import CheckpointReader
+    from pitstop.core.storage.local import LocalStorage
+    d = tmp_path / "ck"
+    state = many()
+    with open_mgr(d, hash_algorithm=algorithm) as mgr:
+        mgr.save(1, state).wait()
+    target = many(value=0.0)
+    with open_mgr(d) as mgr:
+        assert mgr.restore(target) == 1
+    for k, a in state["p"].items():
+        np.testing.assert_array_equal(target["p"][k], a, err_msg=k)
+    CheckpointReader(LocalStorage(str(d)), step_name(1)).verify()
+    entry = json.loads((d / step_name(1) / "manifest.json").read_text())["arrays"]["p/w40"]
+    with open(d / step_name(1) / entry["file"], "r+b") as f:
+        f.seek(entry["offset"])
+        f.write(b"\xff\xff")
+    with open_mgr(d) as mgr, pytest.raises(pitstop.CorruptCheckpointError, match="'p/w40'"):
+        mgr.restore(many(value=0.0), step=1)
+
+
+def test_many_small_arrays_of_dtypes_without_a_buffer_format_restore_exactly(tmp_path):
+    # a run's copy goes through a memoryview, which datetime64 (and bfloat16) cannot be
+    state = {"t": {f"w{i}": np.arange(i, i + 5).astype("M8[s]") for i in range(N)},
+             "f": {f"w{i}": np.full(3, i, np.float32) for i in range(N)}}
+    with open_mgr(tmp_path / "ck") as mgr:
+        mgr.save(1, state).wait()
+    target = {g: {k: np.zeros_like(v) for k, v in s.items()} for g, s in state.items()}
+    with open_mgr(tmp_path / "ck") as mgr:
+        assert mgr.restore(target) == 1
+    for g, s in state.items():
+        for k, v in s.items():
+            np.testing.assert_array_equal(target[g][k], v, err_msg=f"{g}/{k}")
+            assert target[g][k].dtype == v.dtype
