@@ -7,7 +7,8 @@ installed), this measures in one process: the ``save()`` stall (its wall time an
 ``stats.stall_s``) in the steady state, save to commit, ``restore`` into the live objects
 in a fresh manager (warm page cache), ``load()``, parsing the manifest and
 ``CheckpointReader.verify``; and, as floors, a per-tensor copy loop into preallocated
-arrays. It prints each figure for both states and their ratio (many / few), medians of
+arrays and, for the numpy state, ``np.savez`` and ``np.load`` into the live arrays (a
+peer pays per tensor too). It prints each figure for both states and their ratio (many / few), medians of
 ``--repeat`` runs. ``--memory N`` also saves the many-tensor state N times on one manager
 and prints the RSS after save 10 and after save N. ``--profile`` writes cProfile output of
 the many-tensor save and restore to the given directory.
@@ -93,6 +94,26 @@ def measure(state: dict[str, Any], root: str, repeat: int, profile: str | None,
         return time.perf_counter() - t
 
     out["copy loop"] = median(copy_loop, repeat)
+    if "params" in state:
+        # a peer's per-tensor cost beside pitstop's: numpy's own uncompressed archive, the
+        # whole save, then each array read back into the live one
+        npz = os.path.join(root, f"{tag}.npz")
+
+        def savez() -> float:
+            t = time.perf_counter()
+            np.savez(npz, **state["params"])
+            return time.perf_counter() - t
+
+        def loadz() -> float:
+            t = time.perf_counter()
+            with np.load(npz) as z:
+                for k, a in state["params"].items():
+                    np.copyto(a, z[k])
+            return time.perf_counter() - t
+
+        out["np.savez (whole save)"] = median(savez, repeat)
+        out["np.load + copyto"] = median(loadz, repeat)
+        os.unlink(npz)
     d = os.path.join(root, tag)
     stalls, walls, commits = [], [], []
     with pitstop.CheckpointManager(d, keep_last=1) as mgr:
