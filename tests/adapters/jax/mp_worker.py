@@ -39,11 +39,15 @@ MARK = "PITSTOP_MARK "
 ROWS, COLS = 8, 8
 
 
-def mark(text: str) -> None:
-    # one write per line: print writes the text and its newline apart, and a mark from
-    # another thread (a save's hook) then lands between them, on no line of its own
-    sys.stdout.write(MARK + text + "\n")
+def say(line: str) -> None:
+    # one write per line (marks, RESULT lines): print writes the text and its newline apart,
+    # and a mark from another thread (a save's hook) then lands between them
+    sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def mark(text: str) -> None:
+    say(MARK + text)
 
 
 # ---------------------------------------------------------------------------- the state
@@ -473,7 +477,7 @@ def die(ctx: Ctx) -> dict[str, Any]:
     out["waited_s"] = time.monotonic() - t0
     # a job that lost a process cannot shut down together: leave at once (the manager's
     # close would wait for nothing; JAX's exit handlers would wait for the dead peer)
-    print(RESULT + json.dumps(out), flush=True)
+    say(RESULT + json.dumps(out))
     os._exit(0)
 
 
@@ -497,7 +501,7 @@ def main() -> None:
                 heartbeat_timeout_seconds=int(args.get("heartbeat_s", 10)),
                 shutdown_timeout_seconds=30)
         result = SCENARIOS[scenario](ctx)
-        print(RESULT + json.dumps(result), flush=True)
+        say(RESULT + json.dumps(result))
         if ctx.processes > 1:
             jax.distributed.shutdown()  # together: the service's host leaves last
     except BaseException:  # noqa: BLE001 - reported on stderr, the status says it failed

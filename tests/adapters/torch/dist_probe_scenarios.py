@@ -31,6 +31,7 @@ from dist_worker import (  # type: ignore[import-not-found]
     mesh_of,
     model_record,
     originals,
+    say,
     scenario,
     train_step,
 )
@@ -60,7 +61,7 @@ def timed(fn: Any) -> dict[str, Any]:
 def exit_now(out: dict[str, Any]) -> NoReturn:
     """Print the result and leave without the harness's final barrier (the job's groups may
     be broken on purpose)."""
-    print(RESULT + json.dumps(out), flush=True)
+    say(RESULT + json.dumps(out))
     os._exit(0)
 
 
@@ -582,6 +583,6 @@ def p_three(ctx: Ctx) -> dict[str, Any]:
     """For 3 ranks: :func:`fsdp_resume` and :func:`p_reshard_restore` (their results printed
     as a first result line), then :func:`p_calls` (a second line, where a rank lives)."""
     out = {"fsdp_resume": fsdp_resume(ctx), "p_reshard_restore": p_reshard_restore(ctx)}
-    print(RESULT + json.dumps(out), flush=True)
+    say(RESULT + json.dumps(out))
     dist.barrier()
     return p_calls(ctx)  # (leaves the process)

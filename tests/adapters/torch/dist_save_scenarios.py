@@ -22,6 +22,7 @@ from dist_worker import (  # type: ignore[import-not-found]
     make_model,
     model_record,
     originals,
+    say,
     scenario,
     train_step,
 )
@@ -136,7 +137,7 @@ def kill_mid_save(ctx: Ctx) -> dict[str, Any]:
     out = {"error": err, "latest": mgr.latest_step(), "waited_s": waited,
            "listing": sorted(os.listdir(ctx.args["dir"])), "misuse": first}
     # the group lost a rank: report and leave without the harness's final barrier
-    print(RESULT + json.dumps(out), flush=True)
+    say(RESULT + json.dumps(out))
     os._exit(0)
 
 

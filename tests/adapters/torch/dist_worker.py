@@ -62,10 +62,14 @@ class Ctx:
 
     def mark(self, text: str) -> None:
         """Print a progress mark a test can wait for (``dist_helpers.wait_for_mark``)."""
-        # one write per line: print writes the text and its newline apart, and a mark from
-        # another thread (a save's hook) then lands between them, on no line of its own
-        sys.stdout.write(MARK + text + "\n")
-        sys.stdout.flush()
+        say(MARK + text)
+
+
+def say(line: str) -> None:
+    """One line in one write (marks, ``RESULT`` lines): print writes the text and its newline
+    apart, and a mark from another thread (a save's hook) then lands between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- data
@@ -507,7 +511,7 @@ def main(argv: list[str]) -> int:
         os._exit(1)  # at once: a peer blocked in a collective is killed by the harness
     dist.destroy_process_group()
     result = results[names] if "+" not in names else results
-    print(RESULT + json.dumps(result), flush=True)
+    say(RESULT + json.dumps(result))
     sys.stderr.flush()
     # Leave without the interpreter's finalization: in about 1 run of 20 a rank that had
     # printed its result aborted in it ("terminate called without an active exception",

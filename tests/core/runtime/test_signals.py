@@ -29,15 +29,19 @@ _CHILD = textwrap.dedent("""
     import pitstop
     d = sys.argv[1]
     opts = set(sys.argv[2:])
+    # one write per line: print writes the text and its newline apart, and HOLD comes from
+    # the save's thread, USER HANDLER from a signal handler
+    def say(*words):
+        sys.stdout.write(" ".join(map(str, words)) + "\\n"); sys.stdout.flush()
     if "user-term-handler" in opts:
         def on_term(signum, frame):
-            print("USER HANDLER", flush=True)
+            say("USER HANDLER")
             os._exit(7)
         signal.signal(signal.SIGTERM, on_term)
     mgr = pitstop.CheckpointManager(d, memory_tier="tier" in opts)
     if "hold" in opts:
         def hold(step):
-            print("HOLD", step, flush=True)
+            say("HOLD", step)
             time.sleep(120)
         mgr.hooks["before_write"] = hold
     state = {"w": np.zeros(1000, np.float64), "meta": {"step": -1}}
@@ -45,7 +49,7 @@ _CHILD = textwrap.dedent("""
     if start is not None:
         # the restored state is the one of the step at which the signal was handled
         assert (state["w"] == start).all() and state["meta"]["step"] == start, state
-    print("START", start, flush=True)
+    say("START", start)
     first = 0 if start is None else start + 1
     try:
         with mgr:
@@ -57,17 +61,17 @@ _CHILD = textwrap.dedent("""
                 time.sleep(0.002)
                 state["w"][500:] = step
                 state["meta"]["step"] = step
-                print("STEP", step, flush=True)
+                say("STEP", step)
                 h = mgr.step(step, state)
                 if h is not None:
-                    print("SAVED", step, h.committed, flush=True)
+                    say("SAVED", step, h.committed)
             if "short" in opts:
-                print("EVAL", flush=True)  # a long final evaluation: no more step() calls
+                say("EVAL")  # a long final evaluation: no more step() calls
                 time.sleep(3)
     except KeyboardInterrupt:
-        print("KeyboardInterrupt", flush=True)
+        say("KeyboardInterrupt")
         sys.exit(3)
-    print("DONE", flush=True)
+    say("DONE")
 """)
 
 

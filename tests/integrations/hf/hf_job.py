@@ -22,6 +22,13 @@ from pitstop.integrations.hf import Trainer
 MAX_STEPS = int(os.environ.get("HF_JOB_STEPS", "14"))
 
 
+def say(line: str) -> None:
+    # one write per line: print writes the text and its newline apart, and stderr (the same
+    # FIFO, unbuffered) gets pitstop's log records from its save thread in between
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Tokens(torch.utils.data.Dataset):
     def __init__(self, n: int = 40, length: int = 8) -> None:
         g = torch.Generator().manual_seed(1234)
@@ -36,7 +43,7 @@ class Tokens(torch.utils.data.Dataset):
 
 class Progress(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
-        print(f"step {state.global_step}", flush=True)
+        say(f"step {state.global_step}")
 
 
 def recording(base: type) -> type:
@@ -44,8 +51,7 @@ def recording(base: type) -> type:
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
             self._micro = getattr(self, "_micro", 0) + 1
-            print(f"loss {self.state.global_step} {self._micro % 2} {loss.item().hex()}",
-                  flush=True)
+            say(f"loss {self.state.global_step} {self._micro % 2} {loss.item().hex()}")
             return loss
     return Recording
 
@@ -70,7 +76,7 @@ def main(out: str) -> None:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                     "log": [h for h in trainer.state.log_history if "loss" in h]},
                    os.path.join(out, "final.pt"))
-        print("done", flush=True)
+        say("done")
 
 
 if __name__ == "__main__":
