@@ -356,6 +356,13 @@ def _fail(proc: Watched, what: str) -> int:
     return 1
 
 
+def _say(text: str) -> None:
+    """One line on stdout in one write: the relay of the supervisor's reports prints from
+    another thread, and ``print`` writes the text and its newline apart."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _ms(seconds: list[float]) -> str:
     return f"{statistics.median(seconds) * 1e3:7.1f} ms"
 
@@ -388,19 +395,19 @@ def orchestrate(work: str, args: argparse.Namespace, keep: bool) -> int:
     def relay(line: str) -> None:  # the supervisor's own reports, as it prints them
         if line.startswith("pitstop run:"):
             announced.wait(30)  # after the demo's line that says what it killed
-            print(f"     {line.rstrip()}", flush=True)
+            _say(f"     {line.rstrip()}")
 
     # 1. the reference (never interrupted, no checkpoints) and 2. the run under pitstop,
     # side by side: each is single-threaded, and this machine has cores for both
-    print("1. reference run: the same training, uninterrupted, without checkpoints "
-          "(runs alongside 2.)")
+    _say("1. reference run: the same training, uninterrupted, without checkpoints "
+         "(runs alongside 2.)")
     ref: Watched | None = None
     sup: Watched | None = None
     try:  # (from the first start: a signal may come while the second starts)
         with _holding_signals():
             ref = Watched(_child_cmd(fw, os.path.join(work, "unused"), ref_out, args,
                                       checkpoint=False))
-        print(f"2. the run with pitstop: {shown}", flush=True)
+        _say(f"2. the run with pitstop: {shown}")
         with _holding_signals():
             sup = Watched(cmd, on_err=relay)
         return _supervised(args, trainer, ckpt, ref, sup, kill_after, announced, ref_out,
@@ -460,8 +467,8 @@ def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: Watched,
     victim = sup.pids[0]
     os.kill(victim, signal.SIGKILL)
     newest = _committed(ckpt)[-1]  # (nothing commits after the kill: its writer died too)
-    print(f"   kill -9 {victim}: the training process (not `pitstop run`); newest committed "
-          f"checkpoint: step {newest}", flush=True)
+    _say(f"   kill -9 {victim}: the training process (not `pitstop run`); newest committed "
+         f"checkpoint: step {newest}")
     announced.set()
     rc = sup.wait()
     ref_rc = ref.wait()
@@ -479,9 +486,9 @@ def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: Watched,
     killed_after = sup.last_step.get(victim, -1)
     source = ("" if restored == newest else
               " (from the memory tier: the snapshot outlived the killed process)")
-    print(f"   the killed process had finished step {killed_after}; the restarted one "
-          f"restored step {restored}{source}, resumed at step {restored + 1} and trained to "
-          f"step {args.steps - 1}")
+    _say(f"   the killed process had finished step {killed_after}; the restarted one "
+         f"restored step {restored}{source}, resumed at step {restored + 1} and trained to "
+         f"step {args.steps - 1}")
 
     # 3. the comparison
     reference, resumed = _load(ref_out), _load(run_out)
@@ -491,37 +498,37 @@ def _supervised(args: argparse.Namespace, trainer: Any, ckpt: str, ref: Watched,
                     if k not in resumed or not _bitwise_equal(reference[k], resumed[k]))
     differ += sorted(set(resumed) - set(reference))
     identical = not differ and right_step
-    print(f"3. compare with the reference: {len(reference) - 1} arrays of final weights and "
-          f"optimizer state, and all {len(losses)} per-step losses "
-          f"(loss {losses[0]:.4f} -> {losses[-1]:.4f})")
+    _say(f"3. compare with the reference: {len(reference) - 1} arrays of final weights and "
+         f"optimizer state, and all {len(losses)} per-step losses "
+         f"(loss {losses[0]:.4f} -> {losses[-1]:.4f})")
     if identical:
-        print("   identical: yes, bit for bit")
+        _say("   identical: yes, bit for bit")
     else:
         first_bad = _first_difference(reference.get("losses"), resumed.get("losses"))
-        print(f"   identical: NO (differ: {', '.join(differ[:8]) or 'none'}"
-              + ("" if len(differ) <= 8 else f" and {len(differ) - 8} more")
-              + (f"; the losses first differ at step {first_bad}" if first_bad is not None
+        _say(f"   identical: NO (differ: {', '.join(differ[:8]) or 'none'}"
+             + ("" if len(differ) <= 8 else f" and {len(differ) - 8} more")
+             + (f"; the losses first differ at step {first_bad}" if first_bad is not None
                  else "")
-              + ("" if right_step else "; resumed at the wrong step") + ")")
+             + ("" if right_step else "; resumed at the wrong step") + ")")
     if sup.saves:
         pit = [s[1] for s in sup.saves]
         peer = [s[2] for s in sup.saves]
         name, note = trainer.PEER
-        print(f"training-thread stall per save, median of {len(pit)} saves of the same "
-              f"state ({trainer.state_mib(args.steps):.1f} MiB) in the same process:")
+        _say(f"training-thread stall per save, median of {len(pit)} saves of the same "
+             f"state ({trainer.state_mib(args.steps):.1f} MiB) in the same process:")
         width = max(len(name), 7)
-        print(f"   {'pitstop':<{width}} {_ms(pit)}  (copy to a staging buffer; written, "
-              "hashed and fsynced in the background)")
-        print(f"   {name:<{width}} {_ms(peer)}  ({note})")
+        _say(f"   {'pitstop':<{width}} {_ms(pit)}  (copy to a staging buffer; written, "
+             "hashed and fsynced in the background)")
+        _say(f"   {name:<{width}} {_ms(peer)}  ({note})")
     for name in os.listdir(run_dir):  # the peer's files: only their timing mattered
         if name.startswith("peer-save"):
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    print(f"took {time.perf_counter() - t0:.1f} s")
+    _say(f"took {time.perf_counter() - t0:.1f} s")
     if keep:
-        print("look inside the checkpoints:")
+        _say("look inside the checkpoints:")
         for c in ("ls", "inspect", "verify"):
-            print(f"   pitstop {c} {ckpt}")
+            _say(f"   pitstop {c} {ckpt}")
     return 0 if identical else 1
 
 
