@@ -27,12 +27,12 @@ atexit.register(shutil.rmtree, _EXTENSIONS, True)
 
 # Ray Train V2's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
 # default), and a worker's report() waits in a queue of one until a poll takes it: every step
-# of a Ray test (tests/integrations/ray, docs/ray.md) took 2 s. At 0.25 s a step still
-# outlasts a small save's persist, so docs/ray.md's save_every_steps=2 with the default
-# on_busy="skip" keeps every save its check counts (at 0.1 s, test_ray.py's run skipped one);
-# a dead worker is found the same way, sooner. The driver hands the variable on to the
-# controller and workers.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# of a Ray test (tests/integrations/ray, docs/ray.md) took 2 s. At 0.5 s the two steps
+# between docs/ray.md's saves (save_every_steps=2, the default on_busy="skip") still outlast
+# a small save's persist on a loaded machine, so every save its check counts is made
+# (test_ray.py's loop waits instead: at 0.1 s it skipped one); a dead worker is found the
+# same way, sooner. The driver hands the variable on to the controller and workers.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)

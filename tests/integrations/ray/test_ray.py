@@ -35,8 +35,7 @@ moto = s3_server.moto  # the session's S3 server (tests/s3_server.py)
 TOTAL, SAVE_EVERY, KEEP = 12, 3, 2
 # the module's fixture is two Ray fits of 2 workers each: alone on the 2-core machine, 113 s
 # at Ray's 2 s RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (each step's report waits for a poll), 47-52 s
-# at 0.1 s; tests/conftest.py sets 0.25 s (one A/B beside other jobs, load 3-4: 134 s at 2 s,
-# 58 s at 0.25 s). At 2 s it took over 300 s, the suite's default limit, with two suites at
+# at 0.1 s, 67 s at the 0.5 s tests/conftest.py sets (docs/ray.md: 41, 26.5, 24 s). At 2 s it took over 300 s, the suite's default limit, with two suites at
 # once: the limit leaves room for a loaded machine
 pytestmark = pytest.mark.timeout(900)
 KEYS = {"key": "pitstop-test", "secret": "pitstop-test"}
