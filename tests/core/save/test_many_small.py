@@ -31,6 +31,15 @@ def many(n: int = N, value: float = 1.0) -> dict:
             "step": 0}
 
 
+def restores_exactly(d, state: dict, step: int) -> None:
+    """A fresh manager on ``d`` restores ``step`` into zeros: every array as in ``state``."""
+    target = many(value=0.0)
+    with open_mgr(d) as mgr:
+        assert mgr.restore(target) == step
+    for k, a in state["p"].items():
+        np.testing.assert_array_equal(target["p"][k], a, err_msg=k)
+
+
 # ------------------------------------------------------------------ flatten's reuse
 def test_flatten_reuses_the_leaves_of_an_unchanged_dict_and_nothing_else():
     state = many()
@@ -151,11 +160,7 @@ def test_restore_of_many_small_arrays_is_exact_and_names_a_corrupt_one(tmp_path)
     with open_mgr(d, writer_threads=1) as mgr:
         mgr.save(1, many(value=5.0)).wait()
         mgr.save(2, state).wait()
-    target = many(value=0.0)
-    with open_mgr(d) as mgr:
-        assert mgr.restore(target) == 2
-    for k, a in state["p"].items():
-        np.testing.assert_array_equal(target["p"][k], a, err_msg=k)
+    restores_exactly(d, state, 2)
     ck = d / step_name(2)
     entry = json.loads((ck / "manifest.json").read_text())["arrays"]["p/w150"]
     with open(ck / entry["file"], "r+b") as f:
@@ -238,11 +243,7 @@ def test_many_small_arrays_restore_and_verify_under_every_hash_algorithm(tmp_pat
     state = many()
     with open_mgr(d, hash_algorithm=algorithm) as mgr:
         mgr.save(1, state).wait()
-    target = many(value=0.0)
-    with open_mgr(d) as mgr:
-        assert mgr.restore(target) == 1
-    for k, a in state["p"].items():
-        np.testing.assert_array_equal(target["p"][k], a, err_msg=k)
+    restores_exactly(d, state, 1)
     CheckpointReader(LocalStorage(str(d)), step_name(1)).verify()
     entry = json.loads((d / step_name(1) / "manifest.json").read_text())["arrays"]["p/w40"]
     with open(d / step_name(1) / entry["file"], "r+b") as f:
