@@ -144,7 +144,7 @@ class ArrayReader(CheckpointFiles):
             # (a memoryview's slice and copy hold the GIL for 1 KiB, where numpy's give it
             # up and take it back, which two reading threads then queue for)
             view = memoryview(buf)
-            done = i
+            touched: list[str] = []
             try:
                 for key, entry, out in items[i:j]:
                     a = entry.offset - start
@@ -152,14 +152,14 @@ class ArrayReader(CheckpointFiles):
                         raise self._corrupt(key, entry, "the data file ends early (truncated)")
                     chunk = view[a:a + entry.length]
                     if out is not None:
-                        done += 1
+                        touched.append(key)
                         _copy_in(out, chunk)
                     if digest(chunk) != entry.hash:
                         raise self._corrupt(key, entry, f"hash mismatch: expected {entry.hash}, "
                                             f"found {digest(chunk)} (the bytes on disk changed)")
             finally:
-                if done > i:
-                    written([key for key, _e, _o in items[i:done]])
+                if touched:
+                    written(touched)
             i = j
 
     def _read_encrypted(self, key: str, entry: ArrayEntry, raw: np.ndarray, h: Any) -> None:
