@@ -75,10 +75,15 @@ def test_sigterm_then_sigkill_mid_epoch_resume_bitwise(ds_dist, tmp_path):
     assert resumed == max(first) + 1 and resumed > term_at, (seed, resumed, sorted(first))
     assert sorted(second)[0] == resumed + 1 and second == {k: ref[k] for k in second}, seed
 
+    with pitstop.CheckpointManager(tmp_path / "run", read_only=True) as mgr:
+        committed = mgr.all_steps()  # what the killed job had made durable
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     resumed, third = _parse(again.stdout)
-    assert max(second) - 2 <= resumed <= max(second), (seed, resumed)  # saves every 2, async
+    # nothing durable is lost: the newest committed save, or a newer snapshot the memory tier
+    # kept. (Not "within 2 steps of the kill": the save before it may still be persisting on
+    # a loaded machine, so resuming from the one before that is right; it failed so once.)
+    assert committed and committed[-1] <= resumed <= max(second), (seed, resumed, committed)
     assert sorted(third) == list(range(resumed + 1, TOTAL))
     assert third == {k: ref[k] for k in third}, seed
     h.assert_same(want, torch.load(tmp_path / "final.pt"))
